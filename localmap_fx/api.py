@@ -1,0 +1,114 @@
+"""``localmap_fx.local_map``: the decorator users write.
+
+Same signature, call forms and results as torch 2.14.1's
+``torch.distributed.tensor.experimental.local_map``.  In eager mode a call runs
+the fallback in :mod:`localmap_fx.eager`; under ``torch.compile`` it is
+captured as one region (:mod:`localmap_fx.capture`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
+from . import validate
+
+__all__ = ["local_map", "LocalMap"]
+
+PlacementType = Sequence[Placement] | None
+
+
+def local_map(
+    func: Callable | None = None,
+    out_placements: PlacementType | tuple[PlacementType, ...] = None,
+    in_placements: tuple[PlacementType, ...] | None = None,
+    in_grad_placements: tuple[PlacementType, ...] | None = None,
+    device_mesh: DeviceMesh | None = None,
+    *,
+    redistribute_inputs: bool = False,
+    spmd_types: bool = False,
+):
+    """Run ``func``, written for local tensors, on the local shards of DTensors.
+
+    Arguments and behaviour are those of torch 2.14.1's ``local_map`` (see
+    ``docs/user-guide.md``): DTensor leaves of ``args`` are checked against
+    ``in_placements`` (redistributed first when ``redistribute_inputs``),
+    unwrapped with ``to_local(grad_placements=in_grad_placements[i])`` and
+    passed to ``func``; tensor outputs are wrapped with
+    ``DTensor.from_local(out, device_mesh, out_placements[j])``.  With no
+    DTensor argument, ``func`` runs on the arguments untouched.
+
+    With ``spmd_types=True`` the body runs under strict SPMD type checking
+    (spmd_types 0.3.1) and the outputs' types decide their grad placements.
+
+    Under ``torch.compile`` each call becomes one region of the captured graph
+    (see :func:`localmap_fx.find_regions`).
+
+    Returns a callable; with ``func=None``, a decorator.
+    """
+    if func is None:
+
+        def decorated(func):
+            return local_map(
+                func,
+                out_placements,
+                in_placements,
+                in_grad_placements,
+                device_mesh,
+                redistribute_inputs=redistribute_inputs,
+                spmd_types=spmd_types,
+            )
+
+        return decorated
+    return LocalMap(
+        func,
+        out_placements,
+        in_placements,
+        in_grad_placements,
+        device_mesh,
+        redistribute_inputs,
+        spmd_types,
+    )
+
+
+class LocalMap:
+    """A function wrapped by :func:`local_map`; calling it runs the region."""
+
+    def __init__(
+        self,
+        func: Callable,
+        out_placements: Any,
+        in_placements: Any,
+        in_grad_placements: Any,
+        device_mesh: DeviceMesh | None,
+        redistribute_inputs: bool,
+        spmd_types: bool,
+    ) -> None:
+        self.func = func
+        self.out_placements = out_placements
+        self.in_placements = in_placements
+        self.in_grad_placements = in_grad_placements
+        self.device_mesh = device_mesh
+        self.redistribute_inputs = redistribute_inputs
+        self.spmd_types = spmd_types
+        # torch reads out_placements as "a tuple means one entry per output".
+        self.out_specs = validate.normalize_out_specs(out_placements)
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            from .capture import call_captured
+
+            return call_captured(self, args, kwargs)
+        from .eager import call_eager
+
+        return call_eager(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.func, "__qualname__", repr(self.func))
+        return f"localmap_fx.local_map({name})"

@@ -1,0 +1,190 @@
+"""Checks shared by the eager fallback and the compiled path.
+
+Every check here reproduces the exception type and text that torch 2.14.1's
+``local_map`` raises for the same call, then appends a hint that says how to
+fix the call.  The eager fallback (:mod:`localmap_fx.eager`) and capture
+(:mod:`localmap_fx.capture`) both call these functions, so a bad call fails the
+same way whether or not it runs under ``torch.compile``.
+
+Note: [Why errors keep torch's wording]
+    Users migrate from ``torch.distributed.tensor.experimental.local_map``; code
+    and tests that match on torch's messages must keep working.  We only ever
+    *append* to torch's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "as_placements",
+    "normalize_in_specs",
+    "normalize_out_specs",
+    "check_in_count",
+    "check_dtensor_in_spec",
+    "check_dtensor_grad_spec",
+    "check_non_tensor_input",
+    "check_out_count",
+    "check_output_value",
+    "check_spec_fits_mesh",
+    "check_grad_fits_mesh",
+]
+
+
+def as_placements(spec: Any) -> tuple[Placement, ...] | None:
+    """A placements spec as torch compares it: a tuple, or None."""
+    if spec is None or isinstance(spec, tuple):
+        return spec
+    return tuple(spec)
+
+
+def normalize_in_specs(specs: Any) -> tuple | None:
+    """in_placements / in_grad_placements with each entry as a tuple.
+
+    Entries that are not sequences are kept as they are so that the errors
+    torch raises for them (at call time, for the offending argument) still
+    happen at the same point.
+    """
+    if specs is None:
+        return None
+    out = []
+    for s in specs:
+        if isinstance(s, (list, tuple)):
+            out.append(tuple(s))
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def normalize_out_specs(out_placements: Any) -> tuple:
+    """out_placements as torch reads it: a tuple means one spec per output."""
+    if isinstance(out_placements, tuple):
+        return out_placements
+    return (out_placements,)
+
+
+def check_in_count(in_placements: Sequence | None, n_flat: int) -> None:
+    if in_placements is not None and len(in_placements) != n_flat:
+        raise AssertionError(
+            f"in_placements length {len(in_placements)} does not match the number "
+            f"of input args {n_flat}!"
+            "\n[localmap_fx] Give one entry per flattened positional argument "
+            "(pytree leaves of args, in order), with None for non-tensor "
+            "arguments."
+        )
+
+
+def check_dtensor_in_spec(
+    arg: DTensor, idx: int, spec: Any, redistribute_inputs: bool
+) -> bool:
+    """Check a DTensor argument against its in_placements entry.
+
+    Returns True when the argument must be redistributed first.
+    """
+    if spec is None:
+        raise AssertionError(
+            f"DTensor input {arg} expects placements but received {spec}!"
+            f"\n[localmap_fx] in_placements[{idx}] is None but args leaf {idx} "
+            "is a DTensor: give its placements, e.g. (Shard(0),)."
+        )
+    spec = as_placements(spec)
+    if arg.placements != spec:
+        if redistribute_inputs:
+            return True
+        raise ValueError(
+            f"arg {arg} in local_map has a mismatched placements: "
+            f"arg placements is {arg.placements} but the input "
+            f"placements is {spec}! "
+            "If redistribute_inputs is wanted, set "
+            "redistribute_inputs=True to local_map."
+            f"\n[localmap_fx] in_placements[{idx}] = {spec} but the argument "
+            f"is placed {arg.placements}."
+        )
+    return False
+
+
+def check_dtensor_grad_spec(arg: DTensor, idx: int, spec: Any) -> tuple:
+    if spec is None:
+        raise AssertionError(
+            f"DTensor input {arg} expects in grad placements but received {spec}!"
+            f"\n[localmap_fx] in_grad_placements[{idx}] is None for a DTensor "
+            "argument: give the placements its gradient should have."
+        )
+    return as_placements(spec)
+
+
+def check_non_tensor_input(arg: Any, idx: int, spec: Any) -> None:
+    if spec is not None:
+        raise AssertionError(
+            f"Non-Tensor input {arg} expects None placements "
+            f"but received {spec}!"
+            f"\n[localmap_fx] set in_placements[{idx}] to None for this "
+            f"{type(arg).__name__} argument."
+        )
+
+
+def check_out_count(n_flat_out: int, out_specs: tuple) -> None:
+    if n_flat_out != len(out_specs):
+        raise AssertionError(
+            "local_map requires one PlacementType be provided for each output value,"
+            f" received {len(out_specs)} out_placements but"
+            f" {n_flat_out} is expected!"
+            "\n[localmap_fx] give out_placements as a tuple with one entry per "
+            "flattened output (None for non-tensor outputs)."
+        )
+
+
+def check_output_value(out: Any, idx: int, spec: Any) -> None:
+    """Check one flattened output of the body against out_placements[idx]."""
+    if isinstance(out, torch.Tensor):
+        if isinstance(out, DTensor):
+            raise AssertionError(
+                f"torch.Tensor output expected but received {type(out)}: {out}"
+                f"\n[localmap_fx] output {idx} of the body is a DTensor; a "
+                "local_map body works on local tensors: return "
+                "out.to_local() or move the DTensor op outside the region."
+            )
+    elif spec is not None:
+        raise AssertionError(
+            f"Non-tensor output {out} expects None placements but received {spec}!"
+            f"\n[localmap_fx] set out_placements[{idx}] to None for this "
+            f"{type(out).__name__} output."
+        )
+
+
+def check_spec_fits_mesh(spec: tuple, mesh_ndim: int, where: str, ndim: int | None) -> None:
+    """Extra check (localmap_fx only): placements length and shard dims.
+
+    Torch fails later with an unrelated error (or silently) for these; we
+    raise a ValueError naming the argument.
+    """
+    from torch.distributed.tensor.placement_types import Shard
+
+    if len(spec) != mesh_ndim:
+        raise ValueError(
+            f"{where} has {len(spec)} placements but the device mesh has "
+            f"{mesh_ndim} dimensions: give exactly one Placement per mesh "
+            "dimension."
+        )
+    for p in spec:
+        if not isinstance(p, Placement):
+            raise ValueError(
+                f"{where} contains {p!r}, which is not a Placement: use "
+                "Shard(d), Replicate() or Partial()."
+            )
+        if ndim is not None and isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(
+                    f"{where} = {spec} shards dimension {p.dim} but the tensor "
+                    f"has {ndim} dimensions: use a Shard dim in "
+                    f"[{-ndim}, {ndim})."
+                )
+
+
+def check_grad_fits_mesh(spec: tuple, mesh_ndim: int, where: str) -> None:
+    check_spec_fits_mesh(spec, mesh_ndim, where, None)

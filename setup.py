@@ -1,0 +1,11 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="localmap_fx",
+    version="0.1.0",
+    description="local_map for DTensor programs that survives torch.compile",
+    packages=find_packages(include=["localmap_fx", "localmap_fx.*"]),
+    python_requires=">=3.11",
+    install_requires=["torch==2.14.1", "spmd-types==0.3.1"],
+    extras_require={"test": ["pytest", "expecttest", "hypothesis"]},
+)
