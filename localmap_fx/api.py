@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import validate
+from .region import spec_annotation
 
 __all__ = ["local_map", "LocalMap"]
 
@@ -98,6 +99,15 @@ class LocalMap:
         self.spmd_types = spmd_types
         # torch reads out_placements as "a tuple means one entry per output".
         self.out_specs = validate.normalize_out_specs(out_placements)
+        self.spec_annotation = spec_annotation(
+            func=func,
+            in_placements=in_placements,
+            out_specs=self.out_specs,
+            in_grad_placements=in_grad_placements,
+            device_mesh=device_mesh,
+            redistribute_inputs=redistribute_inputs,
+            spmd_types=spmd_types,
+        )
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,415 @@
+"""Region IR: the frozen ``RegionSpec`` and :func:`find_regions`.
+
+A *region* is one call of a ``local_map`` function inside a captured graph.
+In the graph a backend receives it is a run of annotated nodes (see
+:mod:`localmap_fx.capture`)::
+
+    enter   redistribute / to_local of each DTensor argument   (role "enter")
+    body    the user's function at local shapes                 (role "body")
+    exit    from_local of each tensor output                   (role "exit")
+
+After the ``outline_regions`` pass the body is one ``invoke_subgraph`` node
+whose ``meta[META_REGION]`` holds the :class:`RegionSpec`.  :func:`find_regions`
+understands both forms and never mutates the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "RegionSpec",
+    "Region",
+    "find_regions",
+    "META_SPEC",
+    "META_ROLE",
+    "META_INDEX",
+    "META_REGION",
+    "spec_annotation",
+    "placements_str",
+]
+
+META_SPEC = "localmap_fx.spec"
+META_ROLE = "localmap_fx.role"
+META_INDEX = "localmap_fx.index"
+# node.meta key (not under "custom") that passes put on outlined region nodes.
+META_REGION = "localmap_fx.region"
+
+ROLE_ENTER = {META_ROLE: "enter"}
+ROLE_BODY = {META_ROLE: "body"}
+ROLE_EXIT = {META_ROLE: "exit"}
+
+PlacementsT = tuple[Placement, ...] | None
+
+
+def _tuple_or_none(spec: Any) -> Any:
+    if isinstance(spec, list):
+        return tuple(spec)
+    return spec
+
+
+def spec_annotation(
+    *,
+    func: Any,
+    in_placements: Any,
+    out_specs: tuple,
+    in_grad_placements: Any,
+    device_mesh: DeviceMesh | None,
+    redistribute_inputs: bool,
+    spmd_types: bool,
+) -> dict:
+    """The constant dict capture puts in ``node.meta["custom"]``.
+
+    Built once per ``local_map`` function, outside traced code: Dynamo only
+    accepts annotation values it can read as Python constants.
+    """
+    code = getattr(func, "__code__", None)
+    site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+
+    def norm(specs: Any) -> Any:
+        # Bad values are kept as given: validation reports them at call time,
+        # where torch does.
+        if not isinstance(specs, (list, tuple)):
+            return specs
+        return tuple(_tuple_or_none(s) for s in specs)
+
+    return {
+        META_SPEC: {
+            "func": getattr(func, "__qualname__", type(func).__name__),
+            "func_site": site,
+            "in": norm(in_placements),
+            "out": norm(out_specs),
+            "in_grad": norm(in_grad_placements),
+            "redistribute_inputs": bool(redistribute_inputs),
+            "spmd_types": bool(spmd_types),
+            "has_mesh": device_mesh is not None,
+        }
+    }
+
+
+def placements_str(placements: Sequence[Placement] | None) -> str:
+    """Short text form: ``S(0)``, ``R``, ``P``; ``(S(0),R)`` for 2-D."""
+    if placements is None:
+        return "None"
+    parts = []
+    for p in placements:
+        name = type(p).__name__
+        if name == "Shard":
+            parts.append(f"S({p.dim})")
+        elif name == "Replicate":
+            parts.append("R")
+        elif name == "Partial":
+            op = getattr(p, "reduce_op", "sum")
+            parts.append("P" if op == "sum" else f"P({op})")
+        else:
+            parts.append(repr(p))
+    return parts[0] if len(parts) == 1 else "(" + ",".join(parts) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionSpec:
+    """Placement metadata of one region (one local_map call)."""
+
+    func: str
+    in_placements: tuple[PlacementsT, ...] | None
+    out_placements: tuple[PlacementsT, ...]
+    in_grad_placements: tuple[PlacementsT, ...] | None
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    redistribute_inputs: bool
+    spmd_types: bool
+    call_site: str
+    call_function: str
+    func_site: str
+    mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, hash=False)
+
+    def text(self) -> str:
+        ins = "None" if self.in_placements is None else ", ".join(
+            placements_str(p) for p in self.in_placements
+        )
+        outs = ", ".join(placements_str(p) for p in self.out_placements)
+        s = f"{self.func}: in=[{ins}] out=[{outs}]"
+        if self.in_grad_placements is not None:
+            s += " in_grad=[" + ", ".join(placements_str(p) for p in self.in_grad_placements) + "]"
+        dims = self.mesh_dim_names or tuple(str(i) for i in range(len(self.mesh_shape)))
+        s += " mesh=" + "x".join(f"{n}:{k}" for n, k in zip(dims, self.mesh_shape))
+        if self.redistribute_inputs:
+            s += " redistribute_inputs"
+        if self.spmd_types:
+            s += " spmd_types"
+        return s
+
+
+@dataclasses.dataclass
+class RegionInput:
+    """One input of a region's subgraph: a user argument or a captured value."""
+
+    kind: str  # "arg" (flattened user argument index) or "captured"
+    index: int | None
+    node: fx.Node
+
+
+@dataclasses.dataclass
+class Region:
+    """One region found in a graph.
+
+    ``node`` is the outlined ``invoke_subgraph`` call when the region has been
+    outlined, else the first node of its body.  ``subgraph`` is the body at
+    local shapes; its placeholders follow ``inputs`` (user arguments in the
+    order written, then values the body closed over) and its outputs follow
+    ``outputs``.
+    """
+
+    node: fx.Node
+    spec: RegionSpec
+    subgraph: fx.GraphModule
+    enter_nodes: list[fx.Node]
+    body_nodes: list[fx.Node]
+    exit_nodes: list[fx.Node]
+    inputs: list[RegionInput]
+    outputs: list[fx.Node]
+    outlined: bool
+
+    def local_value(self, arg_index: int) -> fx.Node | None:
+        for i in self.inputs:
+            if i.kind == "arg" and i.index == arg_index:
+                return i.node
+        return None
+
+
+def _custom(node: fx.Node) -> dict:
+    return node.meta.get("custom") or {}
+
+
+def role_of(node: fx.Node) -> str | None:
+    if node.op in ("placeholder", "output"):
+        return None
+    return _custom(node).get(META_ROLE)
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def call_site_of(nodes: Sequence[fx.Node]) -> tuple[str, str]:
+    """(file:line, function) of the user code that called the region."""
+    import os
+
+    pkg_dir = os.path.dirname(os.path.abspath(__file__))
+    for node in nodes:
+        trace = node.meta.get("stack_trace")
+        if not trace:
+            continue
+        frames = _FRAME_RE.findall(trace)
+        best = None
+        for fname, line, func in frames:
+            if os.path.abspath(fname).startswith(pkg_dir):
+                break
+            best = (f"{fname}:{line}", func)
+        if best is not None:
+            return best
+    return ("<unknown>", "<unknown>")
+
+
+def _mesh_of(enter: Sequence[fx.Node], exits: Sequence[fx.Node]) -> DeviceMesh | None:
+    for n in exits:
+        val = n.meta.get("example_value")
+        if val is not None and hasattr(val, "device_mesh"):
+            return val.device_mesh
+    for n in enter:
+        for a in n.all_input_nodes:
+            val = a.meta.get("example_value")
+            if val is not None and hasattr(val, "device_mesh"):
+                return val.device_mesh
+    return None
+
+
+def build_spec(ann: dict, enter, body, exits, mesh: DeviceMesh | None = None) -> RegionSpec:
+    if mesh is None:
+        mesh = _mesh_of(enter, exits)
+    site, fn = call_site_of(list(enter) + list(body) + list(exits))
+    return RegionSpec(
+        func=ann["func"],
+        in_placements=ann["in"],
+        out_placements=ann["out"],
+        in_grad_placements=ann["in_grad"],
+        mesh_shape=tuple(mesh.shape) if mesh is not None else (),
+        mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh is not None and mesh.mesh_dim_names else None,
+        redistribute_inputs=ann["redistribute_inputs"],
+        spmd_types=ann["spmd_types"],
+        call_site=site,
+        call_function=fn,
+        func_site=ann["func_site"],
+        mesh=mesh,
+    )
+
+
+def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
+    """Split annotated nodes into per-call runs (enter* body* exit*)."""
+    runs: list[tuple[dict, list[fx.Node]]] = []
+    cur: list[fx.Node] = []
+    cur_ann = None
+    last_role = None
+    for node in gm.graph.nodes:
+        role = role_of(node)
+        if role is None and META_REGION not in node.meta:
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if cur and node.op == "call_function" and node.target is operator.getitem and all(
+                a in cur for a in node.all_input_nodes
+            ):
+                # getitem of a multi-output body op belongs to the body
+                cur.append(node)
+                continue
+            if cur:
+                runs.append((cur_ann, cur))
+            cur, cur_ann, last_role = [], None, None
+            continue
+        ann = _custom(node).get(META_SPEC)
+        if META_REGION in node.meta and role is None:
+            role = "body"
+        new_call = (
+            not cur
+            or ann is not cur_ann and ann != cur_ann
+            or (role == "enter" and last_role in ("body", "exit"))
+            or (role == "body" and last_role == "exit")
+        )
+        if new_call and cur:
+            runs.append((cur_ann, cur))
+            cur = []
+        if new_call:
+            cur_ann = ann
+        cur.append(node)
+        last_role = role
+    if cur:
+        runs.append((cur_ann, cur))
+    return runs
+
+
+def _local_of_enter(enter: list[fx.Node], idx: int) -> fx.Node | None:
+    last = None
+    for n in enter:
+        if _custom(n).get(META_INDEX) == idx:
+            last = n
+    return last
+
+
+def _extract(
+    gm: fx.GraphModule, enter: list[fx.Node], body: list[fx.Node], exits: list[fx.Node]
+) -> tuple[fx.GraphModule, list[RegionInput], list[fx.Node]]:
+    body_set = set(body)
+    # Inputs: user arguments first, in the order the user wrote them.
+    arg_locals: dict[fx.Node, int] = {}
+    for n in enter:
+        idx = _custom(n).get(META_INDEX)
+        if idx is not None and _local_of_enter(enter, idx) is n:
+            arg_locals[n] = idx
+    inputs: list[RegionInput] = [
+        RegionInput("arg", i, n) for n, i in sorted(arg_locals.items(), key=lambda kv: kv[1])
+    ]
+    seen = {i.node for i in inputs}
+    for n in body:
+        for a in n.all_input_nodes:
+            if a not in body_set and a not in seen:
+                seen.add(a)
+                inputs.append(RegionInput("captured", None, a))
+    # Outputs: values leaving the body, exit order first.
+    outputs: list[fx.Node] = []
+    for e in sorted(exits, key=lambda n: _custom(n).get(META_INDEX, 0)):
+        src = e.args[0] if e.args else None
+        if isinstance(src, fx.Node) and src not in outputs:
+            outputs.append(src)
+    for n in body:
+        if n not in outputs and any(u not in body_set for u in n.users):
+            if not (n.op == "call_function" and n.target is operator.getitem and n.users.keys() <= body_set):
+                outputs.append(n)
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    n_captured = 0
+    for i in inputs:
+        if i.kind == "arg":
+            name = f"arg{i.index}"
+        else:
+            name, n_captured = f"captured{n_captured}", n_captured + 1
+        ph = sub.placeholder(name)
+        ph.meta = dict(i.node.meta)
+        env[i.node] = ph
+    owner = torch.nn.Module()
+    for n in body:
+        if n.op == "get_attr":
+            setattr(owner, n.target.replace(".", "_"), _fetch_attr(gm, n.target))
+            env[n] = sub.get_attr(n.target.replace(".", "_"))
+            env[n].meta = dict(n.meta)
+            continue
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] if o in env else _placeholder_for(sub, env, o) for o in outputs))
+    return fx.GraphModule(owner, sub, class_name="region_body"), inputs, outputs
+
+
+def _placeholder_for(sub, env, node):
+    return env[node]
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def find_regions(gm: fx.GraphModule) -> list[Region]:
+    """The regions of ``gm`` in program order (read-only)."""
+    regions: list[Region] = []
+    for ann, nodes in _group_runs(gm):
+        outlined = [n for n in nodes if META_REGION in n.meta]
+        if outlined:
+            node = outlined[0]
+            rmeta = node.meta[META_REGION]
+            enter = [n for n in nodes if role_of(n) == "enter"]
+            exits = [n for n in nodes if role_of(n) == "exit"]
+            body = [n for n in nodes if n not in enter and n not in exits]
+            sub = _fetch_attr(gm, node.args[0].target)
+            regions.append(
+                Region(
+                    node=node,
+                    spec=rmeta["spec"],
+                    subgraph=sub,
+                    enter_nodes=enter,
+                    body_nodes=body,
+                    exit_nodes=exits,
+                    inputs=rmeta["inputs"],
+                    outputs=rmeta["outputs"],
+                    outlined=True,
+                )
+            )
+            continue
+        if ann is None:
+            continue
+        enter = [n for n in nodes if role_of(n) == "enter"]
+        exits = [n for n in nodes if role_of(n) == "exit"]
+        body = [n for n in nodes if n not in enter and n not in exits]
+        sub, inputs, outputs = _extract(gm, enter, body, exits)
+        spec = build_spec(ann, enter, body, exits)
+        node = body[0] if body else (exits[0] if exits else enter[-1])
+        regions.append(
+            Region(
+                node=node,
+                spec=spec,
+                subgraph=sub,
+                enter_nodes=enter,
+                body_nodes=body,
+                exit_nodes=exits,
+                inputs=inputs,
+                outputs=outputs,
+                outlined=False,
+            )
+        )
+    return regions
