@@ -7,5 +7,8 @@ setup(
     packages=find_packages(include=["localmap_fx", "localmap_fx.*"]),
     python_requires=">=3.11",
     install_requires=["torch==2.14.1", "spmd-types==0.3.1"],
+    entry_points={
+        "torch_dynamo_backends": ["localmap_fx = localmap_fx.backend:localmap_fx_backend"],
+    },
     extras_require={"test": ["pytest", "expecttest", "hypothesis"]},
 )

@@ -1,0 +1,41 @@
+"""Errors raised while compiling a region.
+
+A backend's exceptions normally reach the user wrapped in Dynamo's
+``BackendCompilerFailed``.  A region error must instead keep the exception
+type eager raises (``ValueError`` for a mistyped body, say), so the error we
+raise at compile time is an instance of a subclass of *both* the eager type
+and Dynamo's ``ShortenTraceback`` (which Dynamo re-raises untouched).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch._dynamo.exc import ShortenTraceback
+
+__all__ = ["region_error"]
+
+
+@functools.cache
+def _compile_error_type(base: type) -> type:
+    try:
+        return type(f"Region{base.__name__}", (base, ShortenTraceback), {"__module__": __name__})
+    except TypeError:
+        # Layout conflict with an exotic exception type: keep the base type.
+        return base
+
+
+def region_error(exc: BaseException, where: str) -> BaseException:
+    """``exc`` re-created with ``where`` (the region's call site) appended."""
+    msg = f"{exc}\n[localmap_fx] in {where}"
+    cls = _compile_error_type(type(exc))
+    try:
+        if issubclass(cls, ShortenTraceback):
+            err = cls.__new__(cls)
+            BaseException.__init__(err, msg)
+            err.first_useful_frame = None
+            return err
+        return cls(msg)
+    except Exception:
+        exc.add_note(f"[localmap_fx] in {where}")
+        return exc

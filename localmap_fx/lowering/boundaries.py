@@ -1,0 +1,164 @@
+"""Boundary lowering: every region boundary made explicit in the graph.
+
+Capture leaves gradient placements implicit (``to_local()`` and
+``from_local(..., grad_placements=None)``) and cannot know the output grad
+placements of ``spmd_types=True`` regions at all.  This pass writes them out,
+so that the graph handed to AOTAutograd carries, per region::
+
+    before                                   after
+    ------                                   -----
+    x_r = x.redistribute(placements=S(0))    x_r = x.redistribute(placements=S(0))   # meta: plan "R->S(0)@tp:local"
+    l = x_r.to_local()                       l = x_r.to_local(grad_placements=(Shard(0),))
+    o = body(l)                              o = body(l)
+    y = from_local(o, mesh, [Partial()])     y = from_local(o, mesh, (Partial(),), run_check=False,
+                                                            grad_placements=(Replicate(),))
+
+Grad placements come from ``in_grad_placements`` when given, else DTensor's
+defaults (what eager's ``to_local()`` / ``from_local()`` use); for
+``spmd_types=True`` regions the outputs' are derived from the body's SPMD
+types, checked on fake tensors at compile time.
+
+:func:`find_boundaries` only reads the graph; :func:`rewrite_boundary` edits
+one boundary; :func:`lower` runs both for every region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor._api import _normalize_placements_for_grad
+from torch.distributed.tensor.placement_types import Placement
+
+from ..region import META_INDEX, Region, find_regions
+from .plan import RedistributePlan, plan_redistribute
+from .spmd_check import out_grad_placements_for
+
+__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower", "META_PLAN", "META_LOWERED"]
+
+META_PLAN = "localmap_fx.plan"
+META_LOWERED = "localmap_fx.lowered"
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """One boundary node and the explicit form it must take."""
+
+    kind: str  # "to_local" | "from_local" | "redistribute"
+    node: fx.Node
+    region: int
+    index: int
+    placements: tuple[Placement, ...]
+    grad_placements: tuple[Placement, ...] | None
+    plan: RedistributePlan | None = None
+
+
+def _val(node: fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _is_method(node: fx.Node, name: str) -> bool:
+    return node.op == "call_method" and node.target == name
+
+
+def _is_from_local(node: fx.Node) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._api import from_local as _api_from_local
+
+    return node.op == "call_function" and node.target in (DTensor.from_local, _api_from_local)
+
+
+def _enter_boundaries(r_idx: int, region: Region) -> list[Boundary]:
+    out: list[Boundary] = []
+    spec = region.spec
+    for node in region.enter_nodes:
+        idx = node.meta["custom"].get(META_INDEX)
+        if _is_method(node, "redistribute"):
+            src_val, dst_val = _val(node.args[0]), _val(node)
+            plan = plan_redistribute(
+                dst_val.device_mesh,
+                tuple(src_val.placements),
+                tuple(dst_val.placements),
+                tuple(dst_val.shape),
+                dst_val.dtype,
+            )
+            out.append(
+                Boundary("redistribute", node, r_idx, idx, tuple(dst_val.placements), None, plan)
+            )
+        elif _is_method(node, "to_local"):
+            src = _val(node.args[0])
+            placements = tuple(src.placements)
+            if spec.in_grad_placements is not None:
+                grad = tuple(spec.in_grad_placements[idx])
+            else:
+                grad = _normalize_placements_for_grad(placements)
+            out.append(Boundary("to_local", node, r_idx, idx, placements, tuple(grad)))
+    return out
+
+
+def _exit_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundary]:
+    spec = region.spec
+    derived = None
+    if spec.spmd_types and typecheck != "off":
+        derived = out_grad_placements_for(region)
+    elif typecheck == "all":
+        out_grad_placements_for(region)
+    out: list[Boundary] = []
+    for node in region.exit_nodes:
+        if not _is_from_local(node):
+            continue
+        j = node.meta["custom"].get(META_INDEX)
+        placements = tuple(_val(node).placements)
+        if derived is not None:
+            grad = derived[j]
+        else:
+            grad = _normalize_placements_for_grad(placements)
+        out.append(Boundary("from_local", node, r_idx, j, placements, tuple(grad)))
+    return out
+
+
+def find_boundaries(
+    gm: fx.GraphModule, regions: list[Region] | None = None, typecheck: str = "regions"
+) -> list[Boundary]:
+    """Every boundary of every region, with its explicit target form.
+
+    For ``spmd_types=True`` regions this type-checks the body (compile time)
+    and raises the eager error, with the region's call site, if it is wrong.
+    """
+    if regions is None:
+        regions = find_regions(gm)
+    out: list[Boundary] = []
+    for r_idx, region in enumerate(regions):
+        out.extend(_enter_boundaries(r_idx, region))
+        out.extend(_exit_boundaries(r_idx, region, typecheck))
+    return out
+
+
+def rewrite_boundary(b: Boundary) -> None:
+    """Write ``b``'s grad placements (or plan) into its node."""
+    node = b.node
+    if b.kind == "redistribute":
+        node.meta[META_PLAN] = b.plan
+    elif b.kind == "to_local":
+        node.args = node.args[:1]
+        node.kwargs = {"grad_placements": b.grad_placements}
+    elif b.kind == "from_local":
+        local, mesh = node.args[0], node.args[1]
+        node.args = (local, mesh, b.placements)
+        node.kwargs = {"run_check": False, "grad_placements": b.grad_placements}
+    else:
+        raise AssertionError(f"unknown boundary kind {b.kind}")
+    node.meta[META_LOWERED] = True
+
+
+def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:
+    """Make every region boundary of ``gm`` explicit (see module docstring).
+
+    ``typecheck``: "regions" type-checks regions that asked for it
+    (spmd_types=True), "all" checks every region, "off" none.
+    """
+    for b in find_boundaries(gm, typecheck=typecheck):
+        rewrite_boundary(b)
+    gm.recompile()
+    return gm

@@ -1,0 +1,122 @@
+"""Redistribute plans: what collectives a placement change costs.
+
+Planning is separate from execution.  :func:`plan_redistribute` asks DTensor's
+own planner (so that a plan never costs more than ``DTensor.redistribute``)
+and returns a :class:`RedistributePlan`, a tuple of frozen
+:class:`RedistributeStep` values with a text form such as
+``S(0)->R@tp:all_gather``.  Execution stays with ``DTensor.redistribute`` in
+the lowered graph; the plan travels in node metadata for summaries, counts
+and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
+from ..region import placements_str
+
+__all__ = ["RedistributeStep", "RedistributePlan", "plan_redistribute", "collective_of"]
+
+
+def collective_of(src: Placement, dst: Placement) -> str:
+    """The collective one mesh-dimension step needs ("local" for none)."""
+    if src.is_partial() and dst.is_replicate():
+        return "all_reduce"
+    if src.is_partial() and dst.is_shard():
+        return "reduce_scatter"
+    if src.is_shard() and dst.is_replicate():
+        return "all_gather"
+    if src.is_shard() and dst.is_shard():
+        return "all_to_all"
+    return "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class RedistributeStep:
+    mesh_dim: int
+    mesh_dim_name: str
+    src: Placement
+    dst: Placement
+    collective: str
+    group_size: int
+    bytes_per_rank: int
+
+    def text(self) -> str:
+        return (
+            f"{placements_str((self.src,))}->{placements_str((self.dst,))}"
+            f"@{self.mesh_dim_name}:{self.collective}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RedistributePlan:
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    steps: tuple[RedistributeStep, ...]
+
+    @property
+    def collectives(self) -> tuple[RedistributeStep, ...]:
+        return tuple(s for s in self.steps if s.collective != "local")
+
+    def text(self) -> str:
+        if not self.steps:
+            return "noop"
+        return "; ".join(s.text() for s in self.steps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(
+    mesh: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+) -> RedistributePlan:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    meta = TensorMeta(torch.Size(shape), stride, dtype)
+    if src == dst:
+        return RedistributePlan(src, dst, ())
+    infos = _gen_transform_infos(
+        DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta)
+    )
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    steps = []
+    for info in infos:
+        s, d = info.src_dst_placements
+        coll = collective_of(s, d)
+        group = mesh.size(info.mesh_dim)
+        logical = math.prod(int(x) for x in info.logical_shape)
+        # bytes each rank sends into the collective (its local piece)
+        if coll == "all_gather":
+            nbytes = (logical // group) * itemsize
+        elif coll in ("all_reduce", "reduce_scatter", "all_to_all"):
+            nbytes = logical * itemsize if coll != "all_to_all" else (logical // group) * itemsize
+        else:
+            nbytes = 0
+        steps.append(
+            RedistributeStep(info.mesh_dim, names[info.mesh_dim], s, d, coll, group, nbytes)
+        )
+    return RedistributePlan(src, dst, tuple(steps))
+
+
+def plan_redistribute(
+    mesh: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    global_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> RedistributePlan:
+    """The plan DTensor would run to move a tensor from ``src`` to ``dst``."""
+    shape = tuple(int(s) for s in global_shape)
+    stride = tuple(int(s) for s in torch.empty(0).new_empty(shape, device="meta").stride())
+    return _plan_cached(mesh, tuple(src), tuple(dst), shape, stride, dtype)

@@ -1,0 +1,68 @@
+"""Drop boundary round trips between adjacent regions.
+
+When region A's output goes straight into region B with the same placements
+and the same gradient placements, ``from_local`` followed by ``to_local`` is
+the identity in forward *and* backward (the gradient is re-wrapped with the
+placements it already has).  This pass feeds A's local output to B directly::
+
+    before                                               after
+    ------                                               -----
+    y = from_local(o, mesh, (S(0),), grad=(S(0),))       (y kept only if used elsewhere)
+    l = y.to_local(grad_placements=(S(0),))
+    b = body_B(l)                                        b = body_B(o)
+
+It runs after :func:`localmap_fx.lower`, when grad placements are explicit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from ..lowering.boundaries import META_LOWERED, _is_from_local, _is_method, _val
+from ..region import role_of
+
+__all__ = ["RoundTrip", "find_round_trips", "remove_round_trip", "fuse_boundaries"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTrip:
+    from_local: fx.Node
+    to_local: fx.Node
+
+
+def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
+    out = []
+    for node in gm.graph.nodes:
+        if not (_is_method(node, "to_local") and role_of(node) == "enter"):
+            continue
+        src = node.args[0]
+        if not (isinstance(src, fx.Node) and _is_from_local(src) and role_of(src) == "exit"):
+            continue
+        if not (node.meta.get(META_LOWERED) and src.meta.get(META_LOWERED)):
+            continue
+        g_in = node.kwargs.get("grad_placements")
+        g_out = src.kwargs.get("grad_placements")
+        if g_in is None or g_out is None or tuple(g_in) != tuple(g_out):
+            continue
+        local, dst = _val(src.args[0]), _val(node)
+        if local is None or dst is None or local.device != dst.device or local.dtype != dst.dtype:
+            continue
+        out.append(RoundTrip(src, node))
+    return out
+
+
+def remove_round_trip(gm: fx.GraphModule, rt: RoundTrip) -> None:
+    rt.to_local.replace_all_uses_with(rt.from_local.args[0])
+    gm.graph.erase_node(rt.to_local)
+    if not rt.from_local.users:
+        gm.graph.erase_node(rt.from_local)
+
+
+def fuse_boundaries(gm: fx.GraphModule) -> fx.GraphModule:
+    for rt in find_round_trips(gm):
+        remove_round_trip(gm, rt)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
