@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -196,14 +197,14 @@ def role_of(node: fx.Node) -> str | None:
     return _custom(node).get(META_ROLE)
 
 
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+# Frames of these files sit between the user's call and the region.
+_WRAPPER_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in ("api.py", "capture.py"))
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 def call_site_of(nodes: Sequence[fx.Node]) -> tuple[str, str]:
     """(file:line, function) of the user code that called the region."""
-    import os
-
-    pkg_dir = os.path.dirname(os.path.abspath(__file__))
     for node in nodes:
         trace = node.meta.get("stack_trace")
         if not trace:
@@ -211,7 +212,7 @@ def call_site_of(nodes: Sequence[fx.Node]) -> tuple[str, str]:
         frames = _FRAME_RE.findall(trace)
         best = None
         for fname, line, func in frames:
-            if os.path.abspath(fname).startswith(pkg_dir):
+            if os.path.abspath(fname) in _WRAPPER_FILES:
                 break
             best = (f"{fname}:{line}", func)
         if best is not None:

@@ -1,0 +1,106 @@
+"""Recording graphs at every stage of the pipeline, and printing them stably."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+import torch.fx as fx
+
+from ..backend import backend
+
+__all__ = ["Recorder", "normalized", "collective_counts", "COLLECTIVE_OPS"]
+
+COLLECTIVE_OPS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
+
+
+class Recorder:
+    """Wraps the localmap_fx backend; keeps each stage's graph (as text and module)."""
+
+    def __init__(self, inner: str = "aot_eager", **options) -> None:
+        self.stages: dict[str, list[fx.GraphModule]] = {}
+        self.aot: dict[str, list[fx.GraphModule]] = {"forward": [], "backward": []}
+        self.backend = backend(
+            inner, on_stage=self._on_stage, on_aot_graph=self._on_aot, **options
+        )
+
+    def _on_stage(self, name: str, gm: fx.GraphModule) -> None:
+        # Passes edit graphs in place: keep a printed snapshot and a deep copy.
+        self.stages.setdefault(name, []).append(_snapshot(gm))
+
+    def _on_aot(self, kind: str, gm: fx.GraphModule) -> None:
+        self.aot[kind].append(gm)
+
+    def stage(self, name: str, index: int = 0) -> fx.GraphModule:
+        return self.stages[name][index]
+
+
+def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    import copy
+
+    try:
+        return copy.deepcopy(gm)
+    except Exception:
+        return gm
+
+
+_ANNOT = re.compile(r"^\s*#")
+_CLEANUP = re.compile(r";\s+(?:[A-Za-z_][\w]*\s*=\s*)+None\s*$")
+
+
+def normalized(gm: fx.GraphModule) -> str:
+    """``print_readable`` without comments, cleanup statements or blank lines."""
+    text = gm.print_readable(
+        print_output=False, include_stride=False, include_device=False, colored=False
+    )
+    lines = []
+    for line in text.splitlines():
+        if not line.strip() or _ANNOT.match(line):
+            continue
+        lines.append(_CLEANUP.sub("", line).rstrip())
+    text = "\n".join(lines)
+    text = text.replace("torch.distributed.tensor.placement_types.", "")
+    return text + "\n"
+
+
+def collective_counts(gms) -> Counter:
+    """Functional collectives in AOT graphs (subgraphs included), by op name."""
+    c: Counter = Counter()
+    for gm in gms:
+        for mod in gm.modules():
+            if not isinstance(mod, fx.GraphModule):
+                continue
+            for n in mod.graph.nodes:
+                if n.op != "call_function":
+                    continue
+                name = getattr(n.target, "__name__", str(n.target))
+                base = name.split(".")[0]
+                if base in COLLECTIVE_OPS and "c10d_functional" in str(getattr(n.target, "namespace", "")) + str(n.target):
+                    c[base] += 1
+    return c
+
+
+def eager_collective_counts(fn, *args) -> tuple[Counter, Counter]:
+    """(forward, backward) collective counts of an eager run, via CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def counts(mode) -> Counter:
+        out: Counter = Counter()
+        for op, k in mode.get_comm_counts().items():
+            name = getattr(op, "__name__", str(op)).split(".")[0]
+            if name in COLLECTIVE_OPS:
+                out[name] += k
+        return out
+
+    with CommDebugMode() as fwd:
+        loss = fn(*args)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    return counts(fwd), counts(bwd)

@@ -1,0 +1,299 @@
+"""Example models written with ``localmap_fx.local_map``.
+
+Shared by the tests, the demo and the benchmarks.  Every model is a
+``Model(name, build, step, mesh_ndim)``: ``build(mesh, seed)`` returns the
+DTensor parameters and inputs (as a dict), ``step(state)`` runs one forward
+and returns a scalar DTensor loss whose backward fills the ``.grad`` of every
+tensor in ``state`` that requires grad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from ..api import local_map
+
+__all__ = ["Model", "MODELS", "get_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    build: Callable[[DeviceMesh, int], dict]
+    step: Callable[[dict], DTensor]
+    mesh_ndim: int = 1
+
+
+def _rand(seed: int, *shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def _dist(t: torch.Tensor, mesh, placements, grad=True) -> DTensor:
+    d = distribute_tensor(t, mesh, placements)
+    return d.requires_grad_(grad)
+
+
+# --- tensor-parallel MLP: column-parallel then row-parallel -----------------
+
+def _col(x, w):
+    return torch.relu(x @ w)
+
+
+def _row(h, w):
+    return h @ w
+
+
+def _tp_mlp_build(mesh, seed=0):
+    col = local_map(
+        _col,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        in_grad_placements=([Partial()], [Shard(1)]),
+        device_mesh=mesh,
+    )
+    row = local_map(
+        _row,
+        out_placements=[Partial()],
+        in_placements=([Shard(1)], [Shard(0)]),
+        device_mesh=mesh,
+    )
+    return {
+        "x": _dist(_rand(seed, 8, 16), mesh, [Replicate()]),
+        "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Shard(1)]),
+        "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Shard(0)]),
+        "fns": (col, row),
+        "mesh": mesh,
+    }
+
+
+def _tp_mlp_step(s):
+    col, row = s["fns"]
+    h = col(s["x"], s["w1"])
+    y = row(h, s["w2"]).redistribute(s["mesh"], [Replicate()])
+    return (y * y).sum()
+
+
+# --- attention-like block, heads sharded --------------------------------------
+
+def _attn(x, wq, wk, wv, n_heads_local: int):
+    b, d = x.shape
+    q = (x @ wq).view(b, n_heads_local, -1).transpose(0, 1)
+    k = (x @ wk).view(b, n_heads_local, -1).transpose(0, 1)
+    v = (x @ wv).view(b, n_heads_local, -1).transpose(0, 1)
+    att = torch.softmax(q @ k.transpose(1, 2) / (q.shape[-1] ** 0.5), dim=-1)
+    return (att @ v).transpose(0, 1).reshape(b, -1)
+
+
+def _attn_build(mesh, seed=0):
+    ws = mesh.size(0)
+    heads = 2 * ws
+    attn = local_map(
+        _attn,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)], [Shard(1)], [Shard(1)], None),
+        in_grad_placements=([Partial()], [Shard(1)], [Shard(1)], [Shard(1)], None),
+        device_mesh=mesh,
+    )
+    proj = local_map(
+        _row,
+        out_placements=[Partial()],
+        in_placements=([Shard(1)], [Shard(0)]),
+        device_mesh=mesh,
+    )
+    d = 4 * heads
+    return {
+        "x": _dist(_rand(seed, 6, d), mesh, [Replicate()]),
+        "wq": _dist(_rand(seed + 1, d, d) / d, mesh, [Shard(1)]),
+        "wk": _dist(_rand(seed + 2, d, d) / d, mesh, [Shard(1)]),
+        "wv": _dist(_rand(seed + 3, d, d) / d, mesh, [Shard(1)]),
+        "wo": _dist(_rand(seed + 4, d, d) / d, mesh, [Shard(0)]),
+        "fns": (attn, proj),
+        "mesh": mesh,
+        "heads_local": heads // ws,
+    }
+
+
+def _attn_step(s):
+    attn, proj = s["fns"]
+    h = attn(s["x"], s["wq"], s["wk"], s["wv"], s["heads_local"])
+    y = proj(h, s["wo"]).redistribute(s["mesh"], [Replicate()])
+    return y.pow(2).mean()
+
+
+# --- region with redistribute_inputs=True -------------------------------------
+
+def _scale_rows(x, w):
+    return x * w.sum(0, keepdim=True)
+
+
+def _redistribute_build(mesh, seed=0):
+    fn = local_map(
+        _scale_rows,
+        out_placements=[Shard(0)],
+        in_placements=([Shard(0)], [Replicate()]),
+        redistribute_inputs=True,
+        device_mesh=mesh,
+    )
+    return {
+        # x arrives Shard(1) and w Shard(0): both are redistributed on entry.
+        "x": _dist(_rand(seed, 8, 8), mesh, [Shard(1)]),
+        "w": _dist(_rand(seed + 1, 8, 8), mesh, [Shard(0)]),
+        "fns": (fn,),
+        "mesh": mesh,
+    }
+
+
+def _redistribute_step(s):
+    (fn,) = s["fns"]
+    y = fn(s["x"], s["w"])
+    return y.redistribute(s["mesh"], [Replicate()]).sum()
+
+
+# --- in_grad_placements=Partial on a Replicate input -------------------------
+
+def _partial_grad_build(mesh, seed=0):
+    fn = local_map(
+        _col,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        in_grad_placements=([Partial()], [Shard(1)]),
+        device_mesh=mesh,
+    )
+    return {
+        "x": _dist(_rand(seed, 4, 8), mesh, [Replicate()]),
+        "w": _dist(_rand(seed + 1, 8, 8), mesh, [Shard(1)]),
+        "fns": (fn,),
+        "mesh": mesh,
+    }
+
+
+def _partial_grad_step(s):
+    (fn,) = s["fns"]
+    y = fn(s["x"], s["w"])
+    return y.redistribute(s["mesh"], [Replicate()]).sum()
+
+
+# --- 3-layer loop reusing one region ------------------------------------------
+
+def _layer(x, w):
+    return torch.tanh(x @ w) + x
+
+
+def _loop_build(mesh, seed=0, n_layers=3):
+    fn = local_map(
+        _layer,
+        out_placements=[Shard(0)],
+        in_placements=([Shard(0)], [Replicate()]),
+        in_grad_placements=([Shard(0)], [Partial()]),
+        device_mesh=mesh,
+    )
+    return {
+        "x": _dist(_rand(seed, 8, 8), mesh, [Shard(0)]),
+        "ws": [_dist(_rand(seed + 1 + i, 8, 8) / 4, mesh, [Replicate()]) for i in range(n_layers)],
+        "fns": (fn,),
+        "mesh": mesh,
+    }
+
+
+def _loop_step(s):
+    (fn,) = s["fns"]
+    x = s["x"]
+    for w in s["ws"]:
+        x = fn(x, w)
+    return x.redistribute(s["mesh"], [Replicate()]).sum()
+
+
+# --- spmd_types=True region ---------------------------------------------------
+
+def _spmd_build(mesh, seed=0):
+    col = local_map(
+        _col,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        device_mesh=mesh,
+        spmd_types=True,
+    )
+    row = local_map(
+        _row,
+        out_placements=[Partial()],
+        in_placements=([Shard(1)], [Shard(0)]),
+        device_mesh=mesh,
+        spmd_types=True,
+    )
+    return {
+        "x": _dist(_rand(seed, 8, 16), mesh, [Replicate()]),
+        "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Shard(1)]),
+        "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Shard(0)]),
+        "fns": (col, row),
+        "mesh": mesh,
+    }
+
+
+# --- 2-D mesh (dp x tp) -------------------------------------------------------
+
+def _mesh2d_build(mesh, seed=0):
+    col = local_map(
+        _col,
+        out_placements=[Shard(0), Shard(1)],
+        in_placements=([Shard(0), Replicate()], [Replicate(), Shard(1)]),
+        in_grad_placements=([Shard(0), Partial()], [Partial(), Shard(1)]),
+        device_mesh=mesh,
+    )
+    row = local_map(
+        _row,
+        out_placements=[Shard(0), Partial()],
+        in_placements=([Shard(0), Shard(1)], [Replicate(), Shard(0)]),
+        in_grad_placements=([Shard(0), Shard(1)], [Partial(), Shard(0)]),
+        device_mesh=mesh,
+    )
+    return {
+        "x": _dist(_rand(seed, 8, 16), mesh, [Shard(0), Replicate()]),
+        "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Replicate(), Shard(1)]),
+        "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Replicate(), Shard(0)]),
+        "fns": (col, row),
+        "mesh": mesh,
+    }
+
+
+def _mesh2d_step(s):
+    col, row = s["fns"]
+    h = col(s["x"], s["w1"])
+    y = row(h, s["w2"]).redistribute(s["mesh"], [Replicate(), Replicate()])
+    return (y * y).sum()
+
+
+MODELS = {
+    m.name: m
+    for m in (
+        Model("tp_mlp", _tp_mlp_build, _tp_mlp_step),
+        Model("attention", _attn_build, _attn_step),
+        Model("redistribute", _redistribute_build, _redistribute_step),
+        Model("partial_grad", _partial_grad_build, _partial_grad_step),
+        Model("loop3", _loop_build, _loop_step),
+        Model("spmd", _spmd_build, _tp_mlp_step),
+        Model("mesh2d", _mesh2d_build, _mesh2d_step, mesh_ndim=2),
+    )
+}
+
+
+def get_model(name: str) -> Model:
+    return MODELS[name]
+
+
+def grad_tensors(state: dict) -> dict[str, DTensor]:
+    """The tensors of ``state`` that receive gradients, by name."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, DTensor) and v.requires_grad:
+            out[k] = v
+        elif isinstance(v, list):
+            for i, t in enumerate(v):
+                if isinstance(t, DTensor) and t.requires_grad:
+                    out[f"{k}[{i}]"] = t
+    return out
