@@ -90,6 +90,10 @@ class LocalMap:
         redistribute_inputs: bool,
         spmd_types: bool,
     ) -> None:
+        # First: update_wrapper copies func.__dict__ onto self, and when func is
+        # itself a LocalMap (nested local_map) that would overwrite the fields
+        # set below with the inner call's.
+        functools.update_wrapper(self, func)
         self.func = func
         self.out_placements = out_placements
         self.in_placements = in_placements
@@ -108,7 +112,6 @@ class LocalMap:
             redistribute_inputs=redistribute_inputs,
             spmd_types=spmd_types,
         )
-        functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():

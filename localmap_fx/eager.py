@@ -56,6 +56,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     local_args = unflatten_args(flat_local, args_spec)
 
     if lm.spmd_types and seen_dtensor:
+        validate.check_spmd_types_available()
         from . import spmd
 
         spmd.annotate_inputs(flat_local, in_specs, in_grads, mesh)

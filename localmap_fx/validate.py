@@ -29,6 +29,7 @@ __all__ = [
     "check_dtensor_in_spec",
     "check_dtensor_grad_spec",
     "check_non_tensor_input",
+    "check_spmd_types_available",
     "check_out_count",
     "check_output_value",
     "check_spec_fits_mesh",
@@ -125,6 +126,18 @@ def check_non_tensor_input(arg: Any, idx: int, spec: Any) -> None:
             f"but received {spec}!"
             f"\n[localmap_fx] set in_placements[{idx}] to None for this "
             f"{type(arg).__name__} argument."
+        )
+
+
+def check_spmd_types_available() -> None:
+    """spmd_types=True with a DTensor argument needs the spmd_types package."""
+    import torch.distributed as dist
+
+    if not dist._is_spmd_types_available():
+        raise RuntimeError(
+            "spmd_types=True requires the spmd_types package to be installed"
+            "\n[localmap_fx] install it (pip install spmd-types==0.3.1) or call "
+            "local_map with spmd_types=False."
         )
 
 

@@ -298,3 +298,91 @@ def test_no_region_lost_or_split(name):
             n_args = len(r.spec.in_placements)
             arg_idx = [i.index for i in r.inputs if i.kind == "arg"]
             assert arg_idx == sorted(arg_idx) and all(0 <= i < n_args for i in arg_idx)
+
+
+def _capture(fn, *inputs, fullgraph=True, **options):
+    rec = Recorder("aot_eager", **options)
+    out = torch.compile(fn, backend=rec.backend, fullgraph=fullgraph)(*inputs)
+    return rec, out
+
+
+def _dt(shape, placements, seed=0, grad=True):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return distribute_tensor(t, mesh_1d(), placements).requires_grad_(grad)
+
+
+def test_tied_inputs_stay_inline_with_reason():
+    from localmap_fx.passes.outline_regions import find_outline_matches
+
+    @localmap_fx.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)], [Shard(0)]))
+    def body(a, b):
+        return a * b
+
+    rec, _ = _capture(lambda x: body(x, x), _dt((8, 8), [Shard(0)]))
+    matches = find_outline_matches(rec.stage("captured"))
+    assert len(matches) == 1 and "share storage" in matches[0].skip_reason
+    final = localmap_fx.find_regions(rec.stage("fuse_boundaries"))
+    assert len(final) == 1 and not final[0].outlined
+    assert [i.index for i in final[0].inputs if i.kind == "arg"] == [0, 1]
+
+
+def test_body_returning_input_stays_inline():
+    from localmap_fx.passes.outline_regions import find_outline_matches
+
+    @localmap_fx.local_map(out_placements=([Shard(0)], [Shard(0)]), in_placements=([Shard(0)],))
+    def body(a):
+        return a, a + 1
+
+    rec, _ = _capture(lambda x: body(x)[1], _dt((8, 8), [Shard(0)]))
+    (m,) = find_outline_matches(rec.stage("captured"))
+    assert m.skip_reason == "returns its input arg0" or "returns its input" in m.skip_reason
+
+
+def test_closure_inputs_follow_user_arguments():
+    bias = torch.ones(8, requires_grad=True)
+
+    @localmap_fx.local_map(out_placements=[Shard(0)], in_placements=(None, [Shard(0)], [Replicate()]))
+    def body(scale, a, w):
+        return (a @ w) * scale + bias
+
+    rec, _ = _capture(lambda x, w: body(2.0, x, w), _dt((8, 8), [Shard(0)]), _dt((8, 8), [Replicate()], 1))
+    (r,) = localmap_fx.find_regions(rec.stage("captured"))
+    assert [(i.kind, i.index) for i in r.inputs] == [("arg", 1), ("arg", 2), ("captured", None)]
+    placeholders = [n.name for n in r.subgraph.graph.nodes if n.op == "placeholder"]
+    assert placeholders == ["arg1", "arg2", "captured0"]
+    assert r.spec.in_placements == (None, (Shard(0),), (Replicate(),))
+
+
+def test_non_fullgraph_regions_in_each_graph():
+    @localmap_fx.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    def body(a):
+        return a.sin()
+
+    def fn(x):
+        y = body(x)
+        torch._dynamo.graph_break()
+        return body(y)
+
+    rec, _ = _capture(fn, _dt((8, 8), [Shard(0)]), fullgraph=False)
+    graphs = rec.stages["captured"]
+    assert len(graphs) == 2
+    assert [len(localmap_fx.find_regions(g)) for g in graphs] == [1, 1]
+
+
+def test_region_spec_is_frozen_and_hashable():
+    rec = _compile("tp_mlp")
+    spec = localmap_fx.find_regions(rec.stage("captured"))[0].spec
+    with pytest.raises(Exception):
+        spec.func = "other"
+    assert hash(spec) == hash(localmap_fx.find_regions(rec.stage("captured"))[0].spec)
+    assert spec.mesh_shape == (4,) and spec.mesh_dim_names == ("tp",)
+
+
+def test_plain_tensors_make_no_region():
+    @localmap_fx.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    def body(a):
+        return a * 2
+
+    rec, out = _capture(body, torch.ones(4))
+    assert localmap_fx.find_regions(rec.stage("captured")) == []
+    assert torch.equal(out, torch.full((4,), 2.0))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -172,7 +173,9 @@ def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
             name = f"localmap_fx_body_{n_sub}"
             n_sub += 1
             gm.add_submodule(name, match.region.subgraph)
-            by_key[match.key] = (name, f"{name}_{match.region.spec.func}")
+            # identifiers become module names in AOT graphs: keep them identifiers
+            func = re.sub(r"\W", "_", match.region.spec.func.rsplit(".", 1)[-1])
+            by_key[match.key] = (name, f"{name}_{func}")
         name, identifier = by_key[match.key]
         outline_region(gm, match, name, identifier)
     gm.graph.lint()
