@@ -25,13 +25,15 @@ __version__ = "0.1.0"
 def _register_backend() -> None:
     # After `pip install` the "torch_dynamo_backends" entry point provides the
     # name; from a source checkout on sys.path, register it here instead.
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "localmap_fx" for ep in entry_points(group="torch_dynamo_backends")):
+        return
     from torch._dynamo.backends import registry
 
-    try:
-        registry.lookup_backend("localmap_fx")
-    except Exception:
-        from .backend import localmap_fx_backend
+    from .backend import localmap_fx_backend
 
+    if "localmap_fx" not in registry._BACKENDS:
         registry.register_backend(name="localmap_fx")(localmap_fx_backend)
 
 

@@ -1,0 +1,148 @@
+"""The backend: registration, options, config hygiene, compile-time spmd errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import localmap_fx
+from localmap_fx.testing.graphs import Recorder
+from localmap_fx.testing.models import MODELS
+
+from helpers import mesh_1d, mesh_for
+
+
+def test_entry_point_registers_backend_without_import():
+    code = (
+        "import sys, torch\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "assert 'localmap_fx' not in sys.modules\n"
+        "fn = lookup_backend('localmap_fx')\n"
+        "print(fn.__module__, fn.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["localmap_fx.backend", "localmap_fx_backend"]
+
+
+def test_backend_by_name_compiles_with_inductor():
+    m = MODELS["tp_mlp"]
+    state = m.build(mesh_for(1), 0)
+    loss = torch.compile(m.step, backend="localmap_fx", fullgraph=True)(state)
+    loss.backward()
+    assert state["w1"].grad.placements == (Shard(1),)
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(ValueError, match=r"backend\(inner='tvm'\).*inductor"):
+        localmap_fx.backend("tvm")
+    with pytest.raises(ValueError, match=r"typecheck='some'"):
+        localmap_fx.backend(typecheck="some")
+    with pytest.raises(TypeError, match="accepts"):
+        localmap_fx.backend(fast=True)
+
+
+def test_options_are_a_frozen_dataclass():
+    opts = localmap_fx.backend("eager", outline=False).options
+    assert isinstance(opts, localmap_fx.BackendOptions)
+    assert (opts.inner, opts.outline, opts.fuse_boundaries) == ("eager", False, True)
+    with pytest.raises(Exception):
+        opts.inner = "inductor"
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+def test_global_config_unchanged_by_compile(inner):
+    before = (torch._dynamo.config.save_config(), torch._inductor.config.save_config())
+    m = MODELS["loop3"]
+    state = m.build(mesh_for(1), 0)
+    torch.compile(m.step, backend=localmap_fx.backend(inner), fullgraph=True)(state).backward()
+    after = (torch._dynamo.config.save_config(), torch._inductor.config.save_config())
+    assert before == after
+
+
+# --- spmd_types=True: checked once at compile time ---------------------------
+
+def _bad_body(x, w):
+    return x @ w  # V output, but out_placements asks Replicate: missing all-reduce
+
+
+def _spmd_bad():
+    return localmap_fx.local_map(
+        _bad_body,
+        out_placements=[Replicate()],
+        in_placements=([Shard(1)], [Shard(0)]),
+        device_mesh=mesh_1d(),
+        spmd_types=True,
+    )
+
+
+def test_wrong_body_fails_compile_with_eager_error_and_call_site():
+    fn = _spmd_bad()
+    x = distribute_tensor(torch.randn(4, 8), mesh_1d(), [Shard(1)])
+    w = distribute_tensor(torch.randn(8, 4), mesh_1d(), [Shard(0)])
+    with pytest.raises(Exception) as eager:
+        fn(x, w)
+    with pytest.raises(Exception) as compiled:
+        torch.compile(lambda a, b: fn(a, b), backend=localmap_fx.backend("aot_eager"), fullgraph=True)(x, w)
+    assert isinstance(compiled.value, type(eager.value))
+    assert str(eager.value) in str(compiled.value)
+    assert "test_backend.py" in str(compiled.value) and "_bad_body" in str(compiled.value)
+
+
+def test_typecheck_off_skips_the_check():
+    fn = _spmd_bad()
+    x = distribute_tensor(torch.randn(4, 8), mesh_1d(), [Shard(1)])
+    w = distribute_tensor(torch.randn(8, 4), mesh_1d(), [Shard(0)])
+    out = torch.compile(lambda a, b: fn(a, b), backend=localmap_fx.backend("aot_eager", typecheck="off"), fullgraph=True)(x, w)
+    assert out.placements == (Replicate(),)
+
+
+def test_typecheck_all_checks_regions_that_did_not_ask():
+    fn = localmap_fx.local_map(
+        _bad_body, out_placements=[Replicate()], in_placements=([Shard(1)], [Shard(0)]), device_mesh=mesh_1d()
+    )
+    x = distribute_tensor(torch.randn(4, 8), mesh_1d(), [Shard(1)])
+    w = distribute_tensor(torch.randn(8, 4), mesh_1d(), [Shard(0)])
+    torch.compile(lambda a, b: fn(a, b), backend=localmap_fx.backend("aot_eager"), fullgraph=True)(x, w)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="placement mismatch"):
+        torch.compile(lambda a, b: fn(a, b), backend=localmap_fx.backend("aot_eager", typecheck="all"), fullgraph=True)(x, w)
+
+
+def _good_col(x, w):
+    return torch.relu(x @ w)
+
+
+def _aot_text(spmd_types: bool) -> list[str]:
+    import re
+
+    mesh = mesh_1d()
+    col = localmap_fx.local_map(
+        _good_col, out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(1)]),
+        device_mesh=mesh, spmd_types=spmd_types,
+    )
+
+    def step(x, w1):
+        return col(x, w1).redistribute(mesh, [Replicate()]).sum()
+
+    x = distribute_tensor(torch.randn(4, 8), mesh, [Replicate()]).requires_grad_()
+    w1 = distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]).requires_grad_()
+    rec = Recorder("aot_eager")
+    torch.compile(step, backend=rec.backend, fullgraph=True)(x, w1).backward()
+    torch._dynamo.reset()
+    texts = []
+    for g in rec.aot["forward"] + rec.aot["backward"]:
+        t = g.print_readable(print_output=False, include_stride=False, include_device=False)
+        texts.append("\n".join(re.sub(r"\s*#.*", "", l) for l in t.splitlines() if l.strip() and not l.strip().startswith("#")))
+    return texts
+
+
+def test_spmd_check_leaves_no_work_in_the_compiled_graph():
+    """With spmd_types=True the AOT graphs are those of spmd_types=False."""
+    with_check, without = _aot_text(True), _aot_text(False)
+    assert len(with_check) == 2
+    assert with_check == without
