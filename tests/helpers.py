@@ -30,3 +30,21 @@ def mesh_2d():
 
 def mesh_for(ndim: int):
     return mesh_1d() if ndim == 1 else mesh_2d()
+
+
+def rank_dtensor(full, mesh, placements, requires_grad=True):
+    """``distribute_tensor`` under LocalTensorMode, with one tensor per rank.
+
+    Fully replicated data stays one plain tensor under LocalTensorMode; real
+    ranks each hold a copy, so give every rank its own (compiled backward
+    relies on it).
+    """
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dt = distribute_tensor(full.clone(), mesh, list(placements))
+    local = dt._local_tensor
+    if not isinstance(local, LocalTensor):
+        local = LocalTensor({r: local.clone() for r in range(WORLD_SIZE)})
+        dt = DTensor.from_local(local, mesh, list(placements), run_check=False, shape=dt.shape, stride=dt.stride())
+    return dt.detach().requires_grad_(requires_grad)
