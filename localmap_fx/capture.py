@@ -38,50 +38,76 @@ from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
 from . import validate
+from .errors import compile_time
 from ._pytree import flatten_args, pytree, unflatten_args
 from .region import ROLE_BODY, ROLE_ENTER, ROLE_EXIT, META_INDEX
 
 if TYPE_CHECKING:
     from .api import LocalMap
 
-__all__ = ["call_captured"]
+__all__ = ["call_captured", "describe"]
 
 _ENTER = {**ROLE_ENTER}
 _BODY = {**ROLE_BODY}
 _EXIT = {**ROLE_EXIT}
 
 
+def describe(x: Any) -> tuple:
+    """A constant description of ``x`` (Dynamo can pass it to real Python)."""
+    if isinstance(x, DTensor):
+        return ("dtensor", x.placements, x.ndim)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.ndim)
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return ("value", x)
+    return ("object", type(x).__name__)
+
+
+def _at_compile_time(check):
+    """Run ``check`` for real while Dynamo traces; errors keep their eager type."""
+
+    def run(*args):
+        try:
+            return check(*args)
+        except Exception as e:
+            raise compile_time(e) from None
+
+    run.__name__ = check.__name__
+    run.__qualname__ = check.__qualname__
+    return torch._dynamo.assume_constant_result(run)
+
+
+_plan_inputs = _at_compile_time(validate.plan_inputs)
+_check_outputs = _at_compile_time(validate.check_outputs)
+
+
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     flat_args, args_spec = flatten_args(args)
-    in_specs = lm.in_placements
-    in_grads = lm.in_grad_placements
-    validate.check_in_count(in_specs, len(flat_args))
+    plan = _plan_inputs(
+        tuple(describe(a) for a in flat_args),
+        lm.in_placements,
+        lm.in_grad_placements,
+        lm.redistribute_inputs,
+    )
 
     mesh = lm.device_mesh
     seen_dtensor = False
     flat_local: list = []
-    for idx, arg in enumerate(flat_args):
-        if isinstance(arg, DTensor):
-            if mesh is None:
-                mesh = arg.device_mesh
-            seen_dtensor = True
-            with annotate(lm.spec_annotation), annotate(_ENTER), annotate({META_INDEX: idx}):
-                if in_specs is not None:
-                    spec = in_specs[idx]
-                    if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
-                        arg = arg.redistribute(placements=validate.as_placements(spec))
-                if in_grads is not None:
-                    grad = validate.check_dtensor_grad_spec(arg, idx, in_grads[idx])
-                    local = arg.to_local(grad_placements=grad)
-                else:
-                    local = arg.to_local()
-                if isinstance(local, AsyncCollectiveTensor):
-                    local = local.wait()
-            flat_local.append(local)
-        else:
-            if in_specs is not None and not isinstance(arg, torch.Tensor):
-                validate.check_non_tensor_input(arg, idx, in_specs[idx])
+    for idx, (arg, step) in enumerate(zip(flat_args, plan)):
+        if step is None:
             flat_local.append(arg)
+            continue
+        if mesh is None:
+            mesh = arg.device_mesh
+        seen_dtensor = True
+        target, grad = step
+        with annotate(lm.spec_annotation), annotate(_ENTER), annotate({META_INDEX: idx}):
+            if target is not None:
+                arg = arg.redistribute(placements=target)
+            local = arg.to_local(grad_placements=grad) if grad is not None else arg.to_local()
+            if isinstance(local, AsyncCollectiveTensor):
+                local = local.wait()
+        flat_local.append(local)
 
     local_args = unflatten_args(flat_local, args_spec)
     if not seen_dtensor:
@@ -93,10 +119,9 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
 
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
-    validate.check_out_count(len(flat_out), out_specs)
+    _check_outputs(tuple(describe(o) for o in flat_out), out_specs)
     flat_dist = []
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
-        validate.check_output_value(o, idx, spec)
         if isinstance(o, torch.Tensor):
             with annotate(lm.spec_annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
                 flat_dist.append(DTensor.from_local(o, mesh, spec, run_check=False))

@@ -39,3 +39,14 @@ def region_error(exc: BaseException, where: str) -> BaseException:
     except Exception:
         exc.add_note(f"[localmap_fx] in {where}")
         return exc
+
+
+def compile_time(exc: BaseException) -> BaseException:
+    """``exc`` as raised at compile time: same type and text, passed through by Dynamo."""
+    cls = _compile_error_type(type(exc))
+    if not issubclass(cls, ShortenTraceback):
+        return exc
+    err = cls.__new__(cls)
+    BaseException.__init__(err, *exc.args)
+    err.first_useful_frame = None
+    return err

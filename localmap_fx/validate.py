@@ -119,13 +119,19 @@ def check_dtensor_grad_spec(arg: DTensor, idx: int, spec: Any) -> tuple:
     return as_placements(spec)
 
 
+def _type_name(x: Any) -> str:
+    if type(x).__name__ == "Described":
+        return type(x.value).__name__ if x.kind == "value" else str(x.value)
+    return type(x).__name__
+
+
 def check_non_tensor_input(arg: Any, idx: int, spec: Any) -> None:
     if spec is not None:
         raise AssertionError(
             f"Non-Tensor input {arg} expects None placements "
             f"but received {spec}!"
             f"\n[localmap_fx] set in_placements[{idx}] to None for this "
-            f"{type(arg).__name__} argument."
+            f"{_type_name(arg)} argument."
         )
 
 
@@ -166,7 +172,7 @@ def check_output_value(out: Any, idx: int, spec: Any) -> None:
         raise AssertionError(
             f"Non-tensor output {out} expects None placements but received {spec}!"
             f"\n[localmap_fx] set out_placements[{idx}] to None for this "
-            f"{type(out).__name__} output."
+            f"{_type_name(out)} output."
         )
 
 
@@ -201,3 +207,97 @@ def check_spec_fits_mesh(spec: tuple, mesh_ndim: int, where: str, ndim: int | No
 
 def check_grad_fits_mesh(spec: tuple, mesh_ndim: int, where: str) -> None:
     check_spec_fits_mesh(spec, mesh_ndim, where, None)
+
+
+# --- Checks on descriptions of values (the compiled path) ---------------------
+#
+# Note: [Checking under torch.compile]
+#     A ``raise`` in code Dynamo traces reaches the user as
+#     ``Unsupported: Observed exception`` when ``fullgraph=True``.  Capture
+#     therefore describes each argument with constants (``describe``) and runs
+#     the checks below in real Python through
+#     ``torch._dynamo.assume_constant_result``; a failure is re-raised as a
+#     subclass of the eager exception type that Dynamo passes through
+#     unchanged (:func:`localmap_fx.errors.compile_time`).  The checks are the
+#     eager ones, applied to descriptions instead of values.
+
+
+class Described:
+    """Stands for an argument or output in messages raised at compile time."""
+
+    def __init__(self, kind: str, placements: Any = None, ndim: int | None = None, value: Any = None):
+        self.kind = kind
+        self.placements = placements
+        self.ndim = ndim
+        self.value = value
+
+    def __str__(self) -> str:
+        if self.kind == "dtensor":
+            return f"DTensor(ndim={self.ndim}, placements={self.placements})"
+        if self.kind == "tensor":
+            return f"Tensor(ndim={self.ndim})"
+        if self.kind == "value":
+            return str(self.value)
+        return f"<{self.value} object>"
+
+    __repr__ = __str__
+
+
+def described(desc: tuple) -> Described:
+    """A :class:`Described` from the constant tuple capture builds (see capture.describe)."""
+    kind = desc[0]
+    if kind == "dtensor":
+        return Described("dtensor", tuple(desc[1]), desc[2])
+    if kind == "tensor":
+        return Described("tensor", ndim=desc[1])
+    return Described(kind, value=desc[1])
+
+
+def plan_inputs(
+    descs: tuple,
+    in_placements: Any,
+    in_grad_placements: Any,
+    redistribute_inputs: bool,
+) -> tuple:
+    """Check every flattened argument; return what to do with each.
+
+    One entry per leaf: ``None`` (pass through) or ``(redistribute_to, grad)``
+    for a DTensor, where ``redistribute_to`` is None when no redistribution
+    is needed and ``grad`` is the ``to_local`` grad placements (or None).
+    """
+    check_in_count(in_placements, len(descs))
+    plan = []
+    for idx, desc in enumerate(descs):
+        arg = described(desc)
+        if arg.kind == "dtensor":
+            target = None
+            if in_placements is not None:
+                spec = in_placements[idx]
+                if check_dtensor_in_spec(arg, idx, spec, redistribute_inputs):
+                    target = as_placements(spec)
+            grad = None
+            if in_grad_placements is not None:
+                grad = check_dtensor_grad_spec(arg, idx, in_grad_placements[idx])
+            plan.append((target, grad))
+        else:
+            if in_placements is not None and arg.kind != "tensor":
+                check_non_tensor_input(arg, idx, in_placements[idx])
+            plan.append(None)
+    return tuple(plan)
+
+
+def check_outputs(descs: tuple, out_specs: tuple) -> bool:
+    """Check the body's flattened outputs against out_placements."""
+    check_out_count(len(descs), out_specs)
+    for idx, (desc, spec) in enumerate(zip(descs, out_specs)):
+        out = described(desc)
+        if out.kind == "dtensor":
+            raise AssertionError(
+                f"torch.Tensor output expected but received {DTensor}: {out}"
+                f"\n[localmap_fx] output {idx} of the body is a DTensor; a "
+                "local_map body works on local tensors: return "
+                "out.to_local() or move the DTensor op outside the region."
+            )
+        if out.kind != "tensor" and spec is not None:
+            check_output_value(out, idx, spec)
+    return True
