@@ -46,6 +46,9 @@ class BackendOptions:
             after every pass.
         on_aot_graph: called as ``on_aot_graph("forward"|"backward", gm)``
             with the AOTAutograd graphs (inner = inductor or aot_eager).
+        dump_dir: write every compiled frame's graphs, regions and
+            collective tables under this folder (see ``docs/debugging.md``);
+            ``None`` (default) reads ``$LOCALMAP_FX_DUMP_DIR``, unset = off.
     """
 
     inner: str = "inductor"
@@ -54,6 +57,7 @@ class BackendOptions:
     typecheck: str = "regions"
     on_stage: Callable[[str, fx.GraphModule], None] | None = None
     on_aot_graph: Callable[[str, fx.GraphModule], None] | None = None
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -102,30 +106,48 @@ def _aot(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions
     )
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions):
+def _inductor(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    opts: BackendOptions,
+    on_output: Callable[[str, Any], None] | None = None,
+):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    if opts.on_aot_graph is None:
+    if opts.on_aot_graph is None and on_output is None:
         return compile_fx(gm, example_inputs)
 
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
-        opts.on_aot_graph(kind, g)
-        return compile_fx_inner(g, inputs, **kwargs)
+        if opts.on_aot_graph is not None:
+            opts.on_aot_graph(kind, g)
+        compiled = compile_fx_inner(g, inputs, **kwargs)
+        if on_output is not None:
+            on_output(kind, compiled)
+        return compiled
 
     return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions):
     """Run the pipeline on a Dynamo graph and hand it to the inner compiler."""
+    from .inspect.dump import inspector_for
+
+    # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions: observe every stage
+    # through the same hooks, before the user's (see localmap_fx.inspect).
+    inspector = inspector_for(opts)
+    if inspector is not None:
+        opts = inspector.wrap(opts)
     if opts.on_stage is not None:
         opts.on_stage("captured", gm)
     gm = run_passes(gm, opts.passes(), opts.on_stage)
+    if inspector is not None:
+        inspector.lowered(gm)
     if opts.inner == "eager":
         return gm.forward
     if opts.inner == "aot_eager":
         return _aot(gm, example_inputs, opts)
-    return _inductor(gm, example_inputs, opts)
+    return _inductor(gm, example_inputs, opts, inspector and inspector.on_inner_output)
 
 
 def backend(inner: str = "inductor", **options: Any) -> Callable:

@@ -55,7 +55,7 @@ _EXIT = {**ROLE_EXIT}
 def describe(x: Any) -> tuple:
     """A constant description of ``x`` (Dynamo can pass it to real Python)."""
     if isinstance(x, DTensor):
-        return ("dtensor", x.placements, x.ndim)
+        return ("dtensor", x.placements, x.ndim, len(x.placements))
     if isinstance(x, torch.Tensor):
         return ("tensor", x.ndim)
     if isinstance(x, (int, float, bool, str, type(None))):
@@ -119,7 +119,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
 
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
-    _check_outputs(tuple(describe(o) for o in flat_out), out_specs)
+    _check_outputs(tuple(describe(o) for o in flat_out), out_specs, mesh.ndim)
     flat_dist = []
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):

@@ -225,11 +225,19 @@ def check_grad_fits_mesh(spec: tuple, mesh_ndim: int, where: str) -> None:
 class Described:
     """Stands for an argument or output in messages raised at compile time."""
 
-    def __init__(self, kind: str, placements: Any = None, ndim: int | None = None, value: Any = None):
+    def __init__(
+        self,
+        kind: str,
+        placements: Any = None,
+        ndim: int | None = None,
+        value: Any = None,
+        mesh_ndim: int | None = None,
+    ):
         self.kind = kind
         self.placements = placements
         self.ndim = ndim
         self.value = value
+        self.mesh_ndim = mesh_ndim
 
     def __str__(self) -> str:
         if self.kind == "dtensor":
@@ -247,7 +255,7 @@ def described(desc: tuple) -> Described:
     """A :class:`Described` from the constant tuple capture builds (see capture.describe)."""
     kind = desc[0]
     if kind == "dtensor":
-        return Described("dtensor", tuple(desc[1]), desc[2])
+        return Described("dtensor", tuple(desc[1]), desc[2], mesh_ndim=desc[3])
     if kind == "tensor":
         return Described("tensor", ndim=desc[1])
     return Described(kind, value=desc[1])
@@ -274,10 +282,12 @@ def plan_inputs(
             if in_placements is not None:
                 spec = in_placements[idx]
                 if check_dtensor_in_spec(arg, idx, spec, redistribute_inputs):
+                    check_redistribute_target(spec, idx, arg.mesh_ndim, arg.ndim)
                     target = as_placements(spec)
             grad = None
             if in_grad_placements is not None:
                 grad = check_dtensor_grad_spec(arg, idx, in_grad_placements[idx])
+                check_grad_spec_fits(grad, idx, arg.mesh_ndim, arg.ndim)
             plan.append((target, grad))
         else:
             if in_placements is not None and arg.kind != "tensor":
@@ -286,11 +296,14 @@ def plan_inputs(
     return tuple(plan)
 
 
-def check_outputs(descs: tuple, out_specs: tuple) -> bool:
+def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
     """Check the body's flattened outputs against out_placements."""
     check_out_count(len(descs), out_specs)
     for idx, (desc, spec) in enumerate(zip(descs, out_specs)):
         out = described(desc)
+        if out.kind == "tensor":
+            check_out_spec_fits(spec, idx, mesh_ndim, out.ndim)
+            _check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":
             raise AssertionError(
                 f"torch.Tensor output expected but received {DTensor}: {out}"
@@ -301,3 +314,102 @@ def check_outputs(descs: tuple, out_specs: tuple) -> bool:
         if out.kind != "tensor" and spec is not None:
             check_output_value(out, idx, spec)
     return True
+
+
+def _check_from_local_spec(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
+    """What ``DTensor.from_local`` would reject, with torch's type and text."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    hint = f"out_placements[{idx}] = {spec!r}: give one Placement per mesh dimension."
+    if not isinstance(spec, (list, tuple)):
+        raise with_hint(TypeError(f"'{type(spec).__name__}' object is not iterable"), hint)
+    for p in spec:
+        if not isinstance(p, Placement):
+            raise with_hint(RuntimeError(f"{p!r} is not a Placement"), hint)
+    if len(spec) > mesh_ndim:
+        raise with_hint(IndexError("tuple index out of range"), hint)
+    for i, p in enumerate(spec):
+        if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+            raise with_hint(
+                RuntimeError(f"Sharding dim {p.dim} greater than tensor ndim {ndim} for placement number {i}"),
+                f"out_placements[{idx}] shards dimension {p.dim} of a {ndim}-d output.",
+            )
+
+
+# --- Checks torch 2.14.1 does not make -----------------------------------------
+#
+# Note: [Silent cases]
+#     For these calls torch's local_map returns a malformed DTensor, or fails
+#     only later in backward with an unrelated IndexError.  We raise at the
+#     call, naming the argument and the fix.  They are the documented
+#     deviations from torch (docs/user-guide.md, "Troubleshooting"); the
+#     parity tests exclude exactly these cases.
+
+
+def _placement_problem(spec: Any, mesh_ndim: int, ndim: int | None) -> str | None:
+    if not isinstance(spec, (list, tuple)):
+        return f"is {spec!r}, not a sequence of placements"
+    for p in spec:
+        if not isinstance(p, Placement):
+            return f"contains {p!r}, which is not a Placement (use Shard(d), Replicate() or Partial())"
+    if len(spec) != mesh_ndim:
+        return (
+            f"has {len(spec)} placements but the device mesh has {mesh_ndim} "
+            f"dimension{'s' if mesh_ndim != 1 else ''}: give one Placement per mesh dimension"
+        )
+    if ndim is not None:
+        from torch.distributed.tensor.placement_types import Shard
+
+        for p in spec:
+            if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+                return f"shards dimension {p.dim} of a {ndim}-d tensor: use a dim in [{-ndim}, {ndim})"
+    return None
+
+
+def check_redistribute_target(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
+    """in_placements[idx] must be a valid target before redistributing to it."""
+    problem = _placement_problem(spec, mesh_ndim, ndim)
+    if problem is not None:
+        raise ValueError(
+            f"in_placements[{idx}] = {spec!r} {problem}.\n[localmap_fx] "
+            f"redistribute_inputs=True would move args leaf {idx} to these placements."
+        )
+
+
+def check_grad_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
+    """in_grad_placements[idx] must describe a gradient of args leaf ``idx``."""
+    problem = _placement_problem(spec, mesh_ndim, ndim)
+    if problem is not None:
+        raise ValueError(
+            f"in_grad_placements[{idx}] = {spec!r} {problem}.\n[localmap_fx] "
+            "torch would only fail later, in backward."
+        )
+
+
+def check_out_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
+    """out_placements[idx] must place a tensor output of ``ndim`` dims on the mesh."""
+    if spec is None:
+        raise ValueError(
+            f"out_placements[{idx}] is None but output {idx} of the body is a "
+            "Tensor.\n[localmap_fx] give its placements, e.g. [Shard(0)]; None "
+            "is for non-tensor outputs (torch would silently treat it as "
+            "Replicate)."
+        )
+    if isinstance(spec, (list, tuple)) and all(isinstance(p, Placement) for p in spec):
+        if len(spec) < mesh_ndim:
+            raise ValueError(
+                f"out_placements[{idx}] = {spec!r} has {len(spec)} placements but "
+                f"the device mesh has {mesh_ndim} dimensions.\n[localmap_fx] give "
+                "one Placement per mesh dimension."
+            )
+
+
+def with_hint(exc: BaseException, hint: str) -> BaseException:
+    """``exc``'s type and text with ``[localmap_fx] hint`` appended."""
+    try:
+        new = type(exc)(f"{exc}\n[localmap_fx] {hint}")
+    except Exception:
+        exc.add_note(f"[localmap_fx] {hint}")
+        return exc
+    new.__cause__ = exc
+    return new
