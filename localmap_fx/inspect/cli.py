@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .summary import summary_markdown
+    from .report import summary_markdown
 
     try:
         frames = load_dump(args.dir)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from .summary import cause_text, short_site, tensor_text
+from .report import cause_text
+from .summary import short_site, tensor_text
 
 __all__ = ["diff_summaries", "diff_frames"]
 

@@ -14,7 +14,8 @@ import os
 import shutil
 import subprocess
 
-from .summary import cause_text, short_site
+from .report import cause_text
+from .summary import short_site
 
 __all__ = ["to_dot", "render_svg", "find_dot", "write_new_or_own", "DotNotFound", "INSTALL_HINT"]
 

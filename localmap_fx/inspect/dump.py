@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from ..errors import region_error
 from ..region import find_regions
-from . import logs, summary as sm
+from . import logs, report, summary as sm
 
 __all__ = ["ENV_VAR", "DumpDirError", "resolve_dump_dir", "FrameFolder", "FrameInspector", "inspector_for"]
 
@@ -206,10 +206,10 @@ class FrameInspector:
             self.summary["files"].setdefault("summary.json", _FILE_DOC["summary.json"])
             self.summary["files"].setdefault("summary.md", _FILE_DOC["summary.md"])
             self.folder.write("summary.json", json.dumps(self.summary, indent=1, default=str) + "\n")
-            self.folder.write("summary.md", sm.summary_markdown(self.summary))
+            self.folder.write("summary.md", report.summary_markdown(self.summary))
         if trace:
             logs.trace_artifact("summary", lambda: json.dumps(self.summary, default=str), "json")
-            logs.trace_artifact("summary_md", lambda: sm.summary_markdown(self.summary))
+            logs.trace_artifact("summary_md", lambda: report.summary_markdown(self.summary))
 
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
         """Run one dump step; a bug in it is reported, not fatal to compilation."""
@@ -298,7 +298,7 @@ class FrameInspector:
 
     def _regions_log_text(self) -> str:
         head = f"localmap_fx regions of frame {self.summary['frame']}:\n"
-        table = "\n".join(sm.region_table(self.summary["regions"])) if self.summary["regions"] else "(none)"
+        table = "\n".join(report.region_table(self.summary["regions"])) if self.summary["regions"] else "(none)"
         return head + table + "\n\n" + "\n".join(self._region_texts)
 
     # -- composition with the user's hooks ---------------------------------------
