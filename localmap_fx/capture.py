@@ -39,6 +39,7 @@ from torch.fx.traceback import annotate
 
 from . import validate
 from .errors import compile_time
+from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
 from .region import ROLE_BODY, ROLE_ENTER, ROLE_EXIT, META_INDEX
 
@@ -93,6 +94,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     mesh = lm.device_mesh
     seen_dtensor = False
     flat_local: list = []
+    in_shapes: list = []
     for idx, (arg, step) in enumerate(zip(flat_args, plan)):
         if step is None:
             flat_local.append(arg)
@@ -107,6 +109,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             local = arg.to_local(grad_placements=grad) if grad is not None else arg.to_local()
             if isinstance(local, AsyncCollectiveTensor):
                 local = local.wait()
+        in_shapes.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
         flat_local.append(local)
 
     local_args = unflatten_args(flat_local, args_spec)
@@ -123,8 +126,15 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     flat_dist = []
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):
+            shape, uneven = output_global_shape(tuple(o.shape), tuple(spec), tuple(mesh.shape), in_shapes)
             with annotate(lm.spec_annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
-                flat_dist.append(DTensor.from_local(o, mesh, spec, run_check=False))
+                if uneven:
+                    dt = DTensor.from_local(
+                        o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)
+                    )
+                else:
+                    dt = DTensor.from_local(o, mesh, spec, run_check=False)
+                flat_dist.append(dt)
         else:
             flat_dist.append(o)
     return pytree.tree_unflatten(flat_dist, out_spec)

@@ -282,6 +282,9 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
             or ann is not cur_ann and ann != cur_ann
             or (role == "enter" and last_role in ("body", "exit"))
             or (role == "body" and last_role == "exit")
+            # two outlined bodies are two calls even with no boundary between
+            # them (fuse_boundaries removed it)
+            or (META_REGION in node.meta and any(META_REGION in n.meta for n in cur))
         )
         if new_call and cur:
             runs.append((cur_ann, cur))

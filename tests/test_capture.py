@@ -101,8 +101,8 @@ class GraphModule(torch.nn.Module):
         localmap_fx_body_1 = self.localmap_fx_body_1
         invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_1, 'localmap_fx_body_1__row', getitem, local_3)
         getitem_1: "f32[8, 16]" = invoke_subgraph_1[0]
-        from_local_1: "DTensor(f32[8, 16], P(sum))" = torch.distributed.tensor._api.from_local(getitem_1, l_s_x_device_mesh, (Partial('sum'),), run_check = False, grad_placements = (Replicate(),))
-        y: "DTensor(f32[8, 16], R)" = from_local_1.redistribute(l_s_x_device_mesh, [Replicate()])
+        dt_1: "DTensor(f32[8, 16], P(sum))" = torch.distributed.tensor._api.from_local(getitem_1, l_s_x_device_mesh, (Partial('sum'),), run_check = False, grad_placements = (Replicate(),))
+        y: "DTensor(f32[8, 16], R)" = dt_1.redistribute(l_s_x_device_mesh, [Replicate()])
         mul: "DTensor(f32[8, 16], R)" = y * y
         sum_1: "DTensor(f32[], R)" = mul.sum()
         return (sum_1,)
@@ -141,8 +141,8 @@ class GraphModule(torch.nn.Module):
         localmap_fx_body_2 = self.localmap_fx_body_0
         invoke_subgraph_2 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_2, 'localmap_fx_body_0__layer', getitem_1, local_5)
         getitem_2: "f32[2, 8]" = invoke_subgraph_2[0]
-        x_2: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(getitem_2, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
-        redistribute: "DTensor(f32[8, 8], R)" = x_2.redistribute(l_s_x_device_mesh, [Replicate()])
+        dt_2: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(getitem_2, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
+        redistribute: "DTensor(f32[8, 8], R)" = dt_2.redistribute(l_s_x_device_mesh, [Replicate()])
         sum_1: "DTensor(f32[], R)" = redistribute.sum()
         return (sum_1,)
     class localmap_fx_body_0(torch.nn.Module):
@@ -180,8 +180,8 @@ class GraphModule(torch.nn.Module):
         localmap_fx_body_0 = self.localmap_fx_body_0
         invoke_subgraph = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_0, 'localmap_fx_body_0__scale_rows', local, local_1)
         getitem: "f32[2, 8]" = invoke_subgraph[0]
-        y: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(getitem, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
-        redistribute_2: "DTensor(f32[8, 8], R)" = y.redistribute(l_s_x_device_mesh, [Replicate()])
+        dt: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(getitem, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
+        redistribute_2: "DTensor(f32[8, 8], R)" = dt.redistribute(l_s_x_device_mesh, [Replicate()])
         sum_2: "DTensor(f32[], R)" = redistribute_2.sum()
         return (sum_2,)
     class localmap_fx_body_0(torch.nn.Module):
@@ -254,8 +254,8 @@ class GraphModule(torch.nn.Module):
         localmap_fx_body_1 = self.localmap_fx_body_1
         invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_1, 'localmap_fx_body_1__row', getitem, local_3)
         getitem_1: "f32[4, 16]" = invoke_subgraph_1[0]
-        from_local_1: "DTensor(f32[8, 16], S(0)P(sum))" = torch.distributed.tensor._api.from_local(getitem_1, l_s_x_device_mesh, (Shard(dim=0), Partial('sum')), run_check = False, grad_placements = (Shard(dim=0), Replicate()))
-        y: "DTensor(f32[8, 16], RR)" = from_local_1.redistribute(l_s_x_device_mesh, [Replicate(), Replicate()])
+        dt_1: "DTensor(f32[8, 16], S(0)P(sum))" = torch.distributed.tensor._api.from_local(getitem_1, l_s_x_device_mesh, (Shard(dim=0), Partial('sum')), run_check = False, grad_placements = (Shard(dim=0), Replicate()))
+        y: "DTensor(f32[8, 16], RR)" = dt_1.redistribute(l_s_x_device_mesh, [Replicate(), Replicate()])
         mul: "DTensor(f32[8, 16], RR)" = y * y
         sum_1: "DTensor(f32[], RR)" = mul.sum()
         return (sum_1,)
@@ -386,3 +386,17 @@ def test_plain_tensors_make_no_region():
     rec, out = _capture(body, torch.ones(4))
     assert localmap_fx.find_regions(rec.stage("captured")) == []
     assert torch.equal(out, torch.full((4,), 2.0))
+
+
+def test_back_to_back_outlined_regions_stay_separate():
+    """After fuse_boundaries, A(A(x)) has no boundary node between the two calls."""
+
+    @localmap_fx.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    def body(a):
+        return a.cos() * 2
+
+    rec, _ = _capture(lambda x: body(body(x)), _dt((8, 8), [Shard(0)]))
+    final = rec.stage("fuse_boundaries")
+    regions = localmap_fx.find_regions(final)
+    assert len(regions) == 2 and all(r.outlined for r in regions)
+    assert [n.op for n in final.graph.nodes].count("call_method") == 1  # one to_local left

@@ -146,7 +146,8 @@ def rewrite_boundary(b: Boundary) -> None:
     elif b.kind == "from_local":
         local, mesh = node.args[0], node.args[1]
         node.args = (local, mesh, b.placements)
-        node.kwargs = {"run_check": False, "grad_placements": b.grad_placements}
+        # shape/stride (uneven sharding, see localmap_fx.shapes) stay as captured
+        node.kwargs = {**node.kwargs, "run_check": False, "grad_placements": b.grad_placements}
     else:
         raise AssertionError(f"unknown boundary kind {b.kind}")
     node.meta[META_LOWERED] = True
