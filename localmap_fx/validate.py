@@ -93,7 +93,7 @@ def check_dtensor_in_spec(
             f"\n[localmap_fx] in_placements[{idx}] is None but args leaf {idx} "
             "is a DTensor: give its placements, e.g. (Shard(0),)."
         )
-    spec = as_placements(spec)
+    spec = _as_placements_for(spec, f"in_placements[{idx}]")
     if arg.placements != spec:
         if redistribute_inputs:
             return True
@@ -116,7 +116,14 @@ def check_dtensor_grad_spec(arg: DTensor, idx: int, spec: Any) -> tuple:
             f"\n[localmap_fx] in_grad_placements[{idx}] is None for a DTensor "
             "argument: give the placements its gradient should have."
         )
-    return as_placements(spec)
+    return _as_placements_for(spec, f"in_grad_placements[{idx}]")
+
+
+def _as_placements_for(spec: Any, where: str) -> tuple | None:
+    try:
+        return as_placements(spec)
+    except TypeError as e:
+        raise with_hint(e, f"{where} = {spec!r} must be a list of placements, e.g. [{spec!r}].") from None
 
 
 def _type_name(x: Any) -> str:
@@ -366,14 +373,45 @@ def _placement_problem(spec: Any, mesh_ndim: int, ndim: int | None) -> str | Non
     return None
 
 
+class ShardDimError(IndexError, AssertionError):
+    """A Shard dim outside the tensor (torch raises either type for it)."""
+
+
 def check_redistribute_target(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
-    """in_placements[idx] must be a valid target before redistributing to it."""
-    problem = _placement_problem(spec, mesh_ndim, ndim)
-    if problem is not None:
+    """in_placements[idx] must be a valid target before redistributing to it.
+
+    Where ``DTensor.redistribute`` itself would fail, the error has its type
+    (and text); a spec longer than the mesh, which torch accepts silently,
+    is a ValueError.
+    """
+    from torch.distributed.tensor.placement_types import Shard
+
+    hint = (
+        f"in_placements[{idx}] = {spec!r}: redistribute_inputs=True moves args "
+        f"leaf {idx} to these placements; give one Placement per mesh dimension "
+        f"({mesh_ndim})."
+    )
+    for p in spec:
+        if not isinstance(p, Placement):
+            raise with_hint(
+                AttributeError(f"'{type(p).__name__}' object has no attribute 'is_partial'"), hint
+            )
+    if len(spec) < mesh_ndim:
+        raise with_hint(IndexError("tuple index out of range"), hint)
+    if len(spec) > mesh_ndim:
         raise ValueError(
-            f"in_placements[{idx}] = {spec!r} {problem}.\n[localmap_fx] "
-            f"redistribute_inputs=True would move args leaf {idx} to these placements."
+            f"in_placements[{idx}] = {spec!r} has {len(spec)} placements but the "
+            f"device mesh has {mesh_ndim} dimension{'s' if mesh_ndim != 1 else ''}."
+            f"\n[localmap_fx] {hint}"
         )
+    for p in spec:
+        if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+            # DTensor.redistribute fails with IndexError or AssertionError
+            # depending on the source placements; this error is both.
+            raise ShardDimError(
+                f"Sharding dim {p.dim} out of range for a {ndim}-d tensor"
+                f"\n[localmap_fx] {hint} Shard({p.dim}) on a {ndim}-d tensor."
+            )
 
 
 def check_grad_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
