@@ -109,6 +109,13 @@ def _plan_cached(
     return RedistributePlan(src, dst, tuple(steps))
 
 
+def _hint(size) -> int:
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else int(size)
+
+
 def plan_redistribute(
     mesh: DeviceMesh,
     src: tuple[Placement, ...],
@@ -117,6 +124,8 @@ def plan_redistribute(
     dtype: torch.dtype,
 ) -> RedistributePlan:
     """The plan DTensor would run to move a tensor from ``src`` to ``dst``."""
-    shape = tuple(int(s) for s in global_shape)
+    # Under dynamic shapes sizes are SymInts: plan with their example values
+    # (the collectives chosen do not depend on sizes).
+    shape = tuple(_hint(s) for s in global_shape)
     stride = tuple(int(s) for s in torch.empty(0).new_empty(shape, device="meta").stride())
     return _plan_cached(mesh, tuple(src), tuple(dst), shape, stride, dtype)

@@ -72,8 +72,9 @@ def _structural_key(gm: fx.GraphModule) -> tuple:
         env[n] = ("n", i)
         if n.op == "placeholder":
             v = _val(n)
+            # str(): sizes may be SymInts (dynamic shapes), which do not hash
             meta = (
-                (tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad)
+                (str(tuple(v.shape)), str(tuple(v.stride())), v.dtype, v.requires_grad)
                 if isinstance(v, torch.Tensor)
                 else repr(v)
             )
