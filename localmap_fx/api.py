@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import validate
+from .eager import call_eager
 from .region import spec_annotation
 
 __all__ = ["local_map", "LocalMap"]
@@ -103,6 +104,8 @@ class LocalMap:
         self.spmd_types = spmd_types
         # torch reads out_placements as "a tuple means one entry per output".
         self.out_specs = validate.normalize_out_specs(out_placements)
+        # Positional parameter names, for in_placements given by name (argtree).
+        self.param_names = _param_names(func) if isinstance(in_placements, dict) else None
         self.spec_annotation = spec_annotation(
             func=func,
             in_placements=in_placements,
@@ -112,16 +115,43 @@ class LocalMap:
             redistribute_inputs=redistribute_inputs,
             spmd_types=spmd_types,
         )
+        # Built by the eager path on its first call (see eager.EagerPlan).
+        self._eager_plan = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             from .capture import call_captured
 
             return call_captured(self, args, kwargs)
-        from .eager import call_eager
+        if self.param_names is not None or _maybe_nested(self.in_placements, args):
+            from .argtree import call_nested_eager
 
+            return call_nested_eager(self, args, kwargs)
         return call_eager(self, args, kwargs)
 
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+def _param_names(func: Callable) -> tuple[str, ...]:
+    import inspect
+
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _maybe_nested(in_placements: Any, args: tuple) -> bool:
+    """Cheap pre-test: only a tuple as long as ``args`` can be the mirrored form."""
+    if type(in_placements) is not tuple or len(in_placements) != len(args):
+        return False
+    if not any(type(a) in (tuple, list, dict) for a in args):
+        return False  # every argument is one leaf: the flat form applies
+    from .argtree import wants_nested
+    from ._pytree import flatten_args
+
+    return wants_nested(in_placements, len(flatten_args(args)[0]), len(args))

@@ -37,11 +37,11 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
-from . import validate
+from . import argtree, validate
 from .errors import compile_time
 from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
-from .region import ROLE_BODY, ROLE_ENTER, ROLE_EXIT, META_INDEX
+from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 
 if TYPE_CHECKING:
     from .api import LocalMap
@@ -79,17 +79,40 @@ def _at_compile_time(check):
 
 
 _plan_inputs = _at_compile_time(validate.plan_inputs)
+_plan_nested_inputs = _at_compile_time(validate.plan_nested_inputs)
 _check_outputs = _at_compile_time(validate.check_outputs)
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     flat_args, args_spec = flatten_args(args)
-    plan = _plan_inputs(
-        tuple(describe(a) for a in flat_args),
-        lm.in_placements,
-        lm.in_grad_placements,
-        lm.redistribute_inputs,
-    )
+    nested = argtree.wants_nested(lm.in_placements, len(flat_args), len(args))
+    kw_tree: dict = {}
+    if nested:
+        # in_placements mirrors the arguments (or names them): own flattening
+        if isinstance(lm.in_placements, dict):
+            kw_tree = {k: v for k, v in kwargs.items() if k in lm.in_placements}
+        flat_args, paths = argtree.flatten(args)
+        kw_leaves, kw_paths = argtree.flatten(kw_tree)
+        n_positional = len(flat_args)
+        flat_args = flat_args + kw_leaves
+        plan, flat_specs, flat_grads = _plan_nested_inputs(
+            tuple(describe(a) for a in flat_args),
+            tuple(paths + kw_paths),
+            lm.in_placements,
+            lm.in_grad_placements,
+            lm.redistribute_inputs,
+            lm.param_names,
+        )
+        # the region records the placements per flattened leaf
+        annotation = {META_SPEC: {**lm.spec_annotation[META_SPEC], "in": flat_specs, "in_grad": flat_grads}}
+    else:
+        annotation = lm.spec_annotation
+        plan = _plan_inputs(
+            tuple(describe(a) for a in flat_args),
+            lm.in_placements,
+            lm.in_grad_placements,
+            lm.redistribute_inputs,
+        )
 
     mesh = lm.device_mesh
     seen_dtensor = False
@@ -103,7 +126,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             mesh = arg.device_mesh
         seen_dtensor = True
         target, grad = step
-        with annotate(lm.spec_annotation), annotate(_ENTER), annotate({META_INDEX: idx}):
+        with annotate(annotation), annotate(_ENTER), annotate({META_INDEX: idx}):
             if target is not None:
                 arg = arg.redistribute(placements=target)
             local = arg.to_local(grad_placements=grad) if grad is not None else arg.to_local()
@@ -112,12 +135,16 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         in_shapes.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
         flat_local.append(local)
 
-    local_args = unflatten_args(flat_local, args_spec)
+    if nested:
+        local_args = argtree.unflatten(args, flat_local[:n_positional])
+        kwargs = {**kwargs, **argtree.unflatten(kw_tree, flat_local[n_positional:])}
+    else:
+        local_args = unflatten_args(flat_local, args_spec)
     if not seen_dtensor:
         # torch runs the function untouched when no DTensor is given: no region.
         return lm.func(*local_args, **kwargs)
 
-    with annotate(lm.spec_annotation), annotate(_BODY):
+    with annotate(annotation), annotate(_BODY):
         out = lm.func(*local_args, **kwargs)
 
     flat_out, out_spec = pytree.tree_flatten(out)
@@ -127,7 +154,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):
             shape, uneven = output_global_shape(tuple(o.shape), tuple(spec), tuple(mesh.shape), in_shapes)
-            with annotate(lm.spec_annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
+            with annotate(annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
                 if uneven:
                     dt = DTensor.from_local(
                         o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)

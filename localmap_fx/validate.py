@@ -273,6 +273,7 @@ def plan_inputs(
     in_placements: Any,
     in_grad_placements: Any,
     redistribute_inputs: bool,
+    labels: tuple | None = None,
 ) -> tuple:
     """Check every flattened argument; return what to do with each.
 
@@ -283,24 +284,56 @@ def plan_inputs(
     check_in_count(in_placements, len(descs))
     plan = []
     for idx, desc in enumerate(descs):
-        arg = described(desc)
-        if arg.kind == "dtensor":
-            target = None
-            if in_placements is not None:
-                spec = in_placements[idx]
-                if check_dtensor_in_spec(arg, idx, spec, redistribute_inputs):
-                    check_redistribute_target(spec, idx, arg.mesh_ndim, arg.ndim)
-                    target = as_placements(spec)
-            grad = None
-            if in_grad_placements is not None:
-                grad = check_dtensor_grad_spec(arg, idx, in_grad_placements[idx])
-                check_grad_spec_fits(grad, idx, arg.mesh_ndim, arg.ndim)
-            plan.append((target, grad))
-        else:
-            if in_placements is not None and arg.kind != "tensor":
-                check_non_tensor_input(arg, idx, in_placements[idx])
-            plan.append(None)
+        try:
+            plan.append(_plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs))
+        except Exception as e:
+            if labels is None:
+                raise
+            raise with_hint(e, f"flattened leaf {idx} is {labels[idx]}.") from None
     return tuple(plan)
+
+
+def plan_nested_inputs(
+    descs: tuple,
+    paths: tuple,
+    in_placements: Any,
+    in_grad_placements: Any,
+    redistribute_inputs: bool,
+    param_names: tuple | None,
+) -> tuple:
+    """:func:`plan_inputs` for in_placements that mirror the arguments (see argtree).
+
+    Returns ``(plan, flat in_placements, flat in_grad_placements)``.
+    """
+    from . import argtree
+
+    specs = argtree.resolve(in_placements, list(paths), param_names)
+    grads = in_grad_placements
+    if grads is not None and (isinstance(grads, dict) or len(grads) != len(descs)):
+        grads = argtree.resolve(grads, list(paths), param_names)
+    labels = tuple(argtree.path_str(p) for p in paths)
+    plan = plan_inputs(descs, specs, grads, redistribute_inputs, labels)
+    return plan, specs, grads
+
+
+def _plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs):
+    """What to do with one flattened argument (see plan_inputs); raises if bad."""
+    arg = described(desc)
+    if arg.kind == "dtensor":
+        target = None
+        if in_placements is not None:
+            spec = in_placements[idx]
+            if check_dtensor_in_spec(arg, idx, spec, redistribute_inputs):
+                check_redistribute_target(spec, idx, arg.mesh_ndim, arg.ndim)
+                target = as_placements(spec)
+        grad = None
+        if in_grad_placements is not None:
+            grad = check_dtensor_grad_spec(arg, idx, in_grad_placements[idx])
+            check_grad_spec_fits(grad, idx, arg.mesh_ndim, arg.ndim)
+        return (target, grad)
+    if in_placements is not None and arg.kind != "tensor":
+        check_non_tensor_input(arg, idx, in_placements[idx])
+    return None
 
 
 def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
