@@ -19,7 +19,10 @@ __all__ = ["region_error"]
 @functools.cache
 def _compile_error_type(base: type) -> type:
     try:
-        return type(f"Region{base.__name__}", (base, ShortenTraceback), {"__module__": __name__})
+        # The message is the eager str() plus the call site: a base type's own
+        # __str__ (SpmdTypeError appends its ``context``) must not redo it.
+        ns = {"__module__": __name__, "__str__": BaseException.__str__}
+        return type(f"Region{base.__name__}", (base, ShortenTraceback), ns)
     except TypeError:
         # Layout conflict with an exotic exception type: keep the base type.
         return base
@@ -33,6 +36,7 @@ def region_error(exc: BaseException, where: str) -> BaseException:
         if issubclass(cls, ShortenTraceback):
             err = cls.__new__(cls)
             BaseException.__init__(err, msg)
+            err.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
             err.first_useful_frame = None
             return err
         return cls(msg)

@@ -13,12 +13,18 @@ placement             local SPMD type
 
 After the body runs, each output's SPMD type fixes the placement of its
 gradient: ``P``/``V``-as-Partial -> Replicate, ``R`` -> Partial, ``I`` ->
-Replicate, ``V`` -> Shard (dim taken from out_placements).
+Replicate, ``V`` -> Shard (dim taken from out_placements).  Inputs get the
+gradient of their type too (:func:`typed_in_grad_placements`).
+
+:func:`checking` is spmd_types' strict checker plus our typing rules for
+functional collectives (:mod:`localmap_fx.spmd_rules`); eager calls and the
+compile-time check (:mod:`localmap_fx.lowering.spmd_check`) both use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,13 +32,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-import spmd_types as spmd
+try:
+    import spmd_types as spmd
+except ImportError:  # pragma: no cover - reported by validate.check_spmd_types_available()
+    spmd = None
 
 __all__ = [
     "placements_to_spmd_type",
     "annotate_inputs",
     "checking",
     "out_grad_placements",
+    "typed_in_grad_placements",
+    "SpmdPlan",
 ]
 
 
@@ -63,11 +74,18 @@ def placements_to_spmd_type(
     placements: Sequence[Placement],
     grad_placements: Sequence[Placement] | None,
     mesh: DeviceMesh,
+    axis_of=None,
 ) -> dict:
-    """{MeshAxis: local type} for one input, validating its grad pair."""
+    """{MeshAxis: local type} for one input, validating its grad pair.
+
+    ``axis_of(dim)`` (default: ``MeshAxis.of(mesh.get_group(dim))``) gives
+    the mesh axis of a mesh dimension.
+    """
+    if axis_of is None:
+        axis_of = functools.partial(_axis, mesh)
     result = {}
     for dim, placement in enumerate(placements):
-        axis = _axis(mesh, dim)
+        axis = axis_of(dim)
         grad_p = grad_placements[dim] if grad_placements is not None else None
         if type(placement) is Shard:
             fwd_type = spmd.V
@@ -101,6 +119,31 @@ def placements_to_spmd_type(
     return result
 
 
+@functools.lru_cache(maxsize=256)
+def typed_in_grad_placements(placements: tuple[Placement, ...]) -> tuple | None:
+    """Grad placements of a ``spmd_types=True`` input whose in_grad_placements are not given.
+
+    Note: [Input gradients follow the SPMD type]
+        Without in_grad_placements, an input is typed from its placements
+        alone: ``Replicate()`` becomes ``R``, whose gradient is ``P``
+        (Partial).  DTensor's default grad placement for ``to_local()`` is
+        the forward one, ``Replicate()``, i.e. the gradient of an ``I``.
+        torch 2.14.1's local_map(spmd_types=True) uses that default, so the
+        per-rank partial gradients the checked body produces for an ``R``
+        input are read as replicated ones: wrong by a sum over the axis
+        (even for ``x * 2``).  We give such inputs the gradient their type
+        says: ``Partial()`` on every Replicate dimension (Shard stays Shard,
+        Partial -> Replicate as DTensor already does).  None when nothing
+        differs from DTensor's default.
+    """
+    if not any(type(p) is Replicate for p in placements):
+        return None
+    return tuple(
+        Partial() if type(p) is Replicate else (Replicate() if p.is_partial() else p)
+        for p in placements
+    )
+
+
 def annotate_inputs(
     flat_local_args: Sequence[Any],
     in_specs: tuple | None,
@@ -119,17 +162,25 @@ def annotate_inputs(
 
 @contextlib.contextmanager
 def checking(mesh: DeviceMesh):
-    """Strict SPMD type checking of everything run inside, on ``mesh``."""
+    """Strict SPMD type checking of everything run inside, on ``mesh``.
+
+    Functional collectives are typed by :func:`localmap_fx.spmd_rules.rules`,
+    a mode entered inside spmd_types' own (so it sees every call first).
+    """
     from spmd_types._checker import typecheck
 
-    with spmd.set_current_mesh(mesh), typecheck(strict_mode="strict"):
+    from .spmd_rules import rules
+
+    with spmd.set_current_mesh(mesh), typecheck(strict_mode="strict"), rules():
         yield
 
 
 def out_grad_placements(
-    flat_out: Sequence[Any], out_specs: tuple, mesh: DeviceMesh
+    flat_out: Sequence[Any], out_specs: tuple, mesh: DeviceMesh, axis_of=None
 ) -> tuple:
     """Validate the body's output types; return each output's grad placements."""
+    if axis_of is None:
+        axis_of = functools.partial(_axis, mesh)
     grads: list = []
     for out, spec in zip(flat_out, out_specs, strict=True):
         if spec is not None and not isinstance(out, torch.Tensor):
@@ -154,7 +205,7 @@ def out_grad_placements(
                 "annotated inputs or is explicitly annotated."
             )
         for dim, placement in enumerate(spec):
-            axis = _axis(mesh, dim)
+            axis = axis_of(dim)
             actual = actual_type.get(axis)
             if actual is None:
                 names = (
@@ -163,7 +214,7 @@ def out_grad_placements(
                     else mesh.mesh_dim_names
                 )
                 annotated = [
-                    names[i] for i in range(mesh.ndim) if _axis(mesh, i) in actual_type
+                    names[i] for i in range(mesh.ndim) if axis_of(i) in actual_type
                 ]
                 raise ValueError(
                     "Output tensor has no spmd_types annotation on "
@@ -181,7 +232,7 @@ def out_grad_placements(
                 )
         grad_spec = []
         for dim, placement in enumerate(spec):
-            t = actual_type[_axis(mesh, dim)]
+            t = actual_type[axis_of(dim)]
             if t == spmd.V and type(placement) is Partial:
                 grad_spec.append(Replicate())
             else:
@@ -191,3 +242,121 @@ def out_grad_placements(
                 grad_spec.append(g)
         grads.append(tuple(grad_spec))
     return tuple(grads)
+
+
+class SpmdPlan:
+    """Per (local_map function, mesh) state of the eager ``spmd_types=True`` path.
+
+    Computes once what torch's ``local_map`` recomputes on every call and
+    that only depends on the mesh and the placement specs: the ``MeshAxis``
+    of each mesh dimension, each input's SPMD types, and the mesh entry
+    ``spmd.set_current_mesh(mesh)`` pushes.  Every call still runs
+    ``spmd.assert_type`` on each input and the strict checker on the body, so
+    verdicts and errors are torch's (failed computations are not cached and
+    are redone, raising the same error at the same point).
+    """
+
+    __slots__ = ("mesh", "_axes", "_in_types", "_mesh_entry")
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self._axes: dict[int, Any] = {}
+        self._in_types: dict[int, tuple] = {}
+        self._mesh_entry: tuple | None = None
+
+    def axis(self, dim: int):
+        a = self._axes.get(dim)
+        if a is None:
+            a = self._axes[dim] = _axis(self.mesh, dim)
+        return a
+
+    def annotate_inputs(
+        self,
+        flat_local_args: Sequence[Any],
+        in_specs: tuple | None,
+        in_grad_specs: tuple | None,
+    ) -> None:
+        """:func:`annotate_inputs` with the per-input types cached."""
+        if in_specs is None:
+            return
+        for idx, local in enumerate(flat_local_args):
+            spec = in_specs[idx]
+            if not isinstance(local, torch.Tensor) or spec is None:
+                continue
+            grad = in_grad_specs[idx] if in_grad_specs is not None else None
+            hit = self._in_types.get(idx)
+            if hit is not None and hit[0] is spec and hit[1] is grad:
+                types = hit[2]
+            else:
+                types = placements_to_spmd_type(spec, grad, self.mesh, self.axis)
+                self._in_types[idx] = (spec, grad, types)
+            spmd.assert_type(local, dict(types))
+
+    def checking(self):
+        """``checking(mesh)``, pushing a cached mesh entry."""
+        entry = self._mesh_entry
+        if entry is None:
+            try:
+                from spmd_types._mesh import _resolve_axes
+                from spmd_types._state import _axes_to_pgs
+
+                resolved, names = _resolve_axes(self.mesh)
+                entry = (resolved, names, _axes_to_pgs(self.mesh))
+            except Exception:  # noqa: BLE001 - the public path raises it below
+                return checking(self.mesh)
+            self._mesh_entry = entry
+        return _CheckingWithEntry(entry)
+
+    def out_grad_placements(self, flat_out: Sequence[Any], out_specs: tuple) -> tuple:
+        return out_grad_placements(flat_out, out_specs, self.mesh, self.axis)
+
+
+class _CheckingWithEntry:
+    """``with spmd.set_current_mesh(mesh), typecheck(strict_mode="strict")``.
+
+    ``set_current_mesh(mesh)`` resolves the mesh's axes and process groups on
+    every entry; this pushes the same ``MeshEntry`` from values resolved once.
+    """
+
+    __slots__ = ("entry", "tc", "rules")
+
+    def __init__(self, entry: tuple) -> None:
+        self.entry = entry
+        self.tc = None
+        self.rules = None
+
+    def __enter__(self):
+        from spmd_types._checker import typecheck
+        from spmd_types._state import _push_mesh
+
+        from .spmd_rules import rules
+
+        resolved, names, pgs = self.entry
+        _push_mesh(resolved, names, pgs, local_axes=frozenset())
+        try:
+            self.tc = typecheck(strict_mode="strict")
+            self.tc.__enter__()
+            try:
+                self.rules = rules()
+                self.rules.__enter__()
+            except BaseException:
+                self.tc.__exit__(None, None, None)
+                raise
+        except BaseException:
+            from spmd_types._state import _pop_mesh
+
+            _pop_mesh()
+            raise
+        return None
+
+    def __exit__(self, *exc):
+        from spmd_types._state import _pop_mesh
+
+        try:
+            try:
+                self.rules.__exit__(*exc)
+            finally:
+                suppress = self.tc.__exit__(*exc)
+            return suppress
+        finally:
+            _pop_mesh()

@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..region import META_INDEX, Region, find_regions
 from .plan import RedistributePlan, plan_redistribute
-from .spmd_check import out_grad_placements_for
+from .spmd_check import out_grad_placements_for, typed_in_grad_placements
 
 __all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower", "META_PLAN", "META_LOWERED"]
 
@@ -69,7 +69,7 @@ def _is_from_local(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (DTensor.from_local, _api_from_local)
 
 
-def _enter_boundaries(r_idx: int, region: Region) -> list[Boundary]:
+def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundary]:
     out: list[Boundary] = []
     spec = region.spec
     for node in region.enter_nodes:
@@ -93,6 +93,8 @@ def _enter_boundaries(r_idx: int, region: Region) -> list[Boundary]:
                 grad = tuple(spec.in_grad_placements[idx])
             else:
                 grad = _normalize_placements_for_grad(placements)
+                if spec.spmd_types and typecheck != "off":  # the SPMD type's (R -> Partial)
+                    grad = typed_in_grad_placements(placements) or grad
             out.append(Boundary("to_local", node, r_idx, idx, placements, tuple(grad)))
     return out
 
@@ -130,7 +132,7 @@ def find_boundaries(
         regions = find_regions(gm)
     out: list[Boundary] = []
     for r_idx, region in enumerate(regions):
-        out.extend(_enter_boundaries(r_idx, region))
+        out.extend(_enter_boundaries(r_idx, region, typecheck))
         out.extend(_exit_boundaries(r_idx, region, typecheck))
     return out
 

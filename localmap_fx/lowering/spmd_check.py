@@ -1,12 +1,21 @@
 """Compile-time SPMD type checking of a region body (spmd_types=True).
 
 The body's subgraph runs once, on fresh fake tensors typed from the region's
-placements exactly as the eager path types them, under the strict checker.
-Its verdict and messages are the eager ones; the output types give the
+placements exactly as the eager path types them, under the strict checker
+with the functional-collective rules (:func:`localmap_fx.spmd.checking`).
+Its verdict and messages are the eager ones, followed by the region's call
+site and the body line of the op that failed; the output types give the
 output grad placements.  Nothing of the check stays in the compiled program.
+
+Grad mode is the one the region was compiled under (Dynamo compiles a frame
+per grad mode), so rules that depend on whether an input receives a gradient
+decide as eagerly.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 import torch.fx as fx
@@ -15,9 +24,30 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import spmd
 from ..errors import region_error
-from ..region import Region
+from ..region import _WRAPPER_FILES, Region
 
-__all__ = ["check_region", "out_grad_placements_for"]
+__all__ = ["check_region", "out_grad_placements_for", "typed_in_grad_placements"]
+
+typed_in_grad_placements = spmd.typed_in_grad_placements
+
+
+class _CheckInterpreter(fx.Interpreter):
+    """Runs the body; remembers the node being run, adds nothing to errors.
+
+    ``fx.Interpreter`` would splice "While executing ..." into the exception's
+    first argument, inside the eager text (``SpmdTypeError`` prints its
+    operator context after that argument); the failing node is reported
+    after the eager message instead (see :func:`out_grad_placements_for`).
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.extra_traceback = False
+        self.node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self.node = n
+        return super().run_node(n)
 
 
 def _fresh_fake(mode: FakeTensorMode, val):
@@ -55,8 +85,13 @@ def _run_checked(region: Region) -> tuple:
         tuple(in_grads) if spec.in_grad_placements is not None else None,
         mesh,
     )
-    with mode, spmd.checking(mesh):
-        outs = fx.Interpreter(region.subgraph).run(*fakes)
+    interp = _CheckInterpreter(region.subgraph)
+    try:
+        with mode, spmd.checking(mesh):
+            outs = interp.run(*fakes)
+    except Exception as e:
+        e.__dict__["_localmap_fx_node"] = interp.node
+        raise
     by_node = dict(zip(region.outputs, outs))
     flat_out = []
     exit_by_index = {e.meta["custom"]["localmap_fx.index"]: e for e in region.exit_nodes}
@@ -86,8 +121,68 @@ def out_grad_placements_for(region: Region) -> tuple:
             f"local_map region {region.spec.func} called at "
             f"{region.spec.call_site} ({region.spec.call_function})"
         )
+        node = e.__dict__.pop("_localmap_fx_node", None)
+        _as_eager_text(e)
+        line = _body_line(node)
+        if line:
+            where += f"\n[localmap_fx] failing body op: {line}"
         raise region_error(e, where) from e
 
 
-def check_region(region: Region) -> None:
-    out_grad_placements_for(region)
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?![ \t]*File ")[ \t]+([^\n]*))?')
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, spmd.spmd)
+    if m is not None and getattr(m, "__file__", None)
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def _body_line(node: fx.Node | None) -> str:
+    """``file:line (function): code`` of the body line that created ``node``.
+
+    The innermost frame of the user's body (after localmap_fx's own call of
+    it, outside torch and spmd_types); the node itself when the body is a
+    library function (``local_map(torch.relu, ...)``); "" for no node.
+    """
+    if node is None or node.op in ("placeholder", "output"):
+        return ""
+    body: list[tuple[str, ...]] = []
+    for frame in _FRAME_RE.findall(node.stack_trace or ""):
+        if os.path.abspath(frame[0]) in _WRAPPER_FILES:
+            body = []  # frames after the call of the body
+            continue
+        body.append(frame)
+    user = [f for f in body if not os.path.abspath(f[0]).startswith(_LIBRARY_DIRS)]
+    if not user:
+        return node.format_node()
+    fname, line, func, code = user[-1]
+    where = f"{fname}:{line} ({func})"
+    return f"{where}: {code.strip()}" if code.strip() else where
+
+
+_TRACEBACK_NOTE = (
+    "\n\nSet SPMD_TYPES_TRACEBACK_FILTERING=off to see the full, unfiltered traceback."
+)
+
+
+def _as_eager_text(e: BaseException) -> None:
+    """Give ``e`` the text eager shows for it.
+
+    In eager, spmd_types' checker appends a note about traceback filtering
+    to its errors (outside pytest and IPython); it skips that while
+    ``torch.compiler.is_compiling()``, which holds during the compile-time
+    check.  Errors of our collective rules never get it.
+    """
+    spmd_types = spmd.spmd
+    if spmd_types is None or not isinstance(e, spmd_types.SpmdTypeError):
+        return
+    if getattr(e, "_localmap_fx_rule", False):
+        return
+    try:
+        from spmd_types import _traceback
+
+        mode = _traceback._resolve_mode(_traceback._FILTERING)
+    except Exception:  # noqa: BLE001 - private API moved: keep the text as is
+        return
+    if mode in ("quiet_remove_frames", "remove_frames") and e.args and isinstance(e.args[0], str):
+        if not e.args[0].endswith(_TRACEBACK_NOTE):
+            e.args = (e.args[0] + _TRACEBACK_NOTE,) + e.args[1:]
