@@ -23,15 +23,19 @@ __all__ = ["pytree", "flatten_args", "unflatten_args"]
 _LEAF_TYPES = frozenset({int, float, bool, str, type(None), torch.Tensor})
 
 
+_Tensor = torch.Tensor
+
+
 def _is_simple_leaf(x: Any) -> bool:
     t = type(x)
-    return t in _LEAF_TYPES or issubclass(t, torch.Tensor)
+    return t in _LEAF_TYPES or issubclass(t, _Tensor)
 
 
 def flatten_args(args: tuple) -> tuple[list, Any]:
     """(leaves, spec); spec is None when ``args`` was already flat."""
     for a in args:
-        if not _is_simple_leaf(a):
+        t = type(a)
+        if t not in _LEAF_TYPES and not issubclass(t, _Tensor):
             return pytree.tree_flatten(args)
     return list(args), None
 

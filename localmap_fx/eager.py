@@ -3,6 +3,31 @@
 The order of checks and conversions is torch's (per argument: check, then
 redistribute, then ``to_local``), so that a bad call raises the same error at
 the same point, and every collective happens in the same order.
+
+Note: [Eager fast path]
+    A local_map call is mostly DTensor bookkeeping (``to_local`` and
+    ``from_local`` are autograd Functions), so Python overhead around it is a
+    visible share of every call.  What can be decided once per ``local_map``
+    function is decided once, in :class:`EagerPlan`: placement specs as
+    tuples, which outputs may skip ``DTensor.from_local``'s argument
+    normalisation, and (``spmd_types=True``) the SPMD types of the inputs and
+    the mesh the checker runs under.  Per call:
+
+    * arguments and outputs that are plain tensors or flat tuples/lists of
+      them are not run through pytree;
+    * a plain ``DTensor`` argument is unwrapped by calling the autograd
+      Function that ``DTensor.to_local`` calls (``_ToTorchTensor``), and a
+      tensor output is wrapped by calling the one ``DTensor.from_local``
+      calls (``_FromTorchTensor``), with the arguments those methods would
+      have passed.  Whenever the method would do anything else (a
+      ``Parameter`` DTensor, a DTensor subclass, an output on another device,
+      a negative ``Shard`` dim, a spec that is not a tuple of placements, an
+      invalid spec that must raise) the public method is called instead.
+
+    Results, autograd graphs (same ``grad_fn`` types) and errors are therefore
+    those of torch's ``local_map``; ``tests/test_eager_parity.py`` checks it.
+    Specs are read when ``local_map`` is applied: changing the lists passed
+    as ``in_placements``/``out_placements`` afterwards is not supported.
 """
 
 from __future__ import annotations
@@ -12,25 +37,155 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._api import _FromTorchTensor, _ToTorchTensor
+from torch.distributed.tensor._utils import assert_no_mixed_partial_types
+from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from . import validate
+from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
 
 if TYPE_CHECKING:
     from .api import LocalMap
 
-__all__ = ["call_eager", "wrap_outputs"]
+__all__ = ["EagerPlan", "call_eager", "wrap_outputs"]
+
+_Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+_to_local_fn = _ToTorchTensor.apply
+_from_local_fn = _FromTorchTensor.apply
+_from_local = DTensor.from_local
+
+
+def _as_tuple_spec(spec: Any) -> Any:
+    """A list/tuple spec as the tuple torch compares with; anything else as given."""
+    if type(spec) is tuple or type(spec) is list:
+        return tuple(spec)
+    return spec
+
+
+def _from_local_ready(spec: Any) -> tuple | None:
+    """``spec`` as ``DTensor.from_local`` would pass it on, or None.
+
+    None means: call ``DTensor.from_local`` itself (it normalises or rejects
+    the spec, or would default it).
+    """
+    if not (type(spec) is tuple or type(spec) is list) or not spec:
+        return None
+    for p in spec:
+        if not isinstance(p, Placement):
+            return None
+        if isinstance(p, (Shard, _StridedShard)) and p.dim < 0:
+            return None
+    spec = tuple(spec)
+    try:
+        assert_no_mixed_partial_types(spec)
+    except Exception:  # noqa: BLE001 - from_local raises it at call time
+        return None
+    return spec
+
+
+class EagerPlan:
+    """What the eager path decides once per ``local_map`` function."""
+
+    __slots__ = ("in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache")
+
+    def __init__(self, lm: LocalMap) -> None:
+        ins, grads = lm.in_placements, lm.in_grad_placements
+        # Only real lists/tuples are snapshotted; other sequences are read at
+        # call time, as torch reads them.
+        self.in_specs = (
+            tuple(_as_tuple_spec(s) for s in ins) if type(ins) in (tuple, list) else ins
+        )
+        self.in_grads = (
+            tuple(_as_tuple_spec(s) for s in grads) if type(grads) in (tuple, list) else grads
+        )
+        self.out_specs = lm.out_specs
+        self.out_ready = tuple(_from_local_ready(s) for s in lm.out_specs)
+        # spmd_types=True: {id(mesh): (mesh, SpmdPlan)}
+        self.spmd_cache: dict = {}
+
+    def spmd_plan(self, lm: LocalMap, mesh):
+        """The cached :class:`localmap_fx.spmd.SpmdPlan` for ``mesh``."""
+        hit = self.spmd_cache.get(id(mesh))
+        if hit is not None and hit[0] is mesh:
+            return hit[1]
+        from . import spmd
+
+        plan = spmd.SpmdPlan(mesh)
+        self.spmd_cache[id(mesh)] = (mesh, plan)
+        return plan
+
+
+def _plan(lm: LocalMap) -> EagerPlan:
+    plan = lm._eager_plan
+    if plan is None:
+        plan = lm._eager_plan = EagerPlan(lm)
+    return plan
+
+
+def _redistribute_checked(arg: DTensor, idx: int, spec: Any) -> DTensor:
+    """``arg.redistribute(spec)``; torch's errors get a hint naming in_placements[idx]."""
+    target = validate.as_placements(spec)
+    validate.check_redistribute_target(target, idx, len(arg.placements), arg.ndim, silent_only=True)
+    try:
+        return arg.redistribute(placements=target)
+    except (IndexError, AssertionError, AttributeError, TypeError, RuntimeError, ValueError) as e:
+        raise validate.with_hint(
+            e,
+            f"in_placements[{idx}] = {spec!r}: redistribute_inputs=True moves args "
+            f"leaf {idx} to these placements; give one valid Placement per mesh "
+            f"dimension ({len(arg.placements)}).",
+        ) from None
+
+
+def _check_grad_once(lm: LocalMap, idx: int, grad: Any, arg: DTensor) -> None:
+    """validate.check_grad_spec_fits, once per function, argument and layout."""
+    key = (idx, len(arg.placements), arg.ndim)
+    seen = lm.__dict__.setdefault("_grad_fits", set())
+    if key not in seen:
+        validate.check_grad_spec_fits(grad, idx, len(arg.placements), arg.ndim)
+        seen.add(key)
+
+
+def _check_out_once(lm: LocalMap, idx: int, spec: Any, out: torch.Tensor, mesh) -> None:
+    """validate.check_out_spec_fits, once per function, output and layout."""
+    key = (idx, mesh.ndim, out.ndim)
+    seen = lm.__dict__.setdefault("_out_fits", set())
+    if key not in seen:
+        validate.check_out_spec_fits(spec, idx, mesh.ndim, out.ndim)
+        seen.add(key)
+
+
+def _out_hint(e: BaseException, idx: int, spec: Any, out: torch.Tensor, mesh) -> BaseException:
+    return validate.with_hint(
+        e,
+        f"out_placements[{idx}] = {spec!r}: give one Placement per mesh "
+        f"dimension ({mesh.ndim}) for this {out.ndim}-d output.",
+    )
+
+
+def _unevenly_sharded(arg: DTensor) -> bool:
+    shape = arg.shape
+    for k, p in enumerate(arg.placements):
+        if isinstance(p, Shard) and shape[p.dim] % arg.device_mesh.size(k):
+            return True
+    return False
 
 
 def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    plan = lm._eager_plan or _plan(lm)
     flat_args, args_spec = flatten_args(args)
-    in_specs = lm.in_placements
-    in_grads = lm.in_grad_placements
-    validate.check_in_count(in_specs, len(flat_args))
+    in_specs = plan.in_specs
+    in_grads = plan.in_grads
+    if in_specs is not None and len(in_specs) != len(flat_args):
+        validate.check_in_count(in_specs, len(flat_args))
 
     mesh = lm.device_mesh
     seen_dtensor = False
+    grad_enabled = _is_grad_enabled()
     flat_local: list = []
+    uneven_in: list = []  # see localmap_fx/shapes.py
     for idx, arg in enumerate(flat_args):
         if isinstance(arg, DTensor):
             if mesh is None:
@@ -38,63 +193,136 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             seen_dtensor = True
             if in_specs is not None:
                 spec = in_specs[idx]
-                if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
-                    arg = arg.redistribute(placements=validate.as_placements(spec))
+                if type(spec) is not tuple or arg.placements != spec:
+                    # None, a non-sequence, or a mismatch: validate raises
+                    # torch's error or asks for a redistribution.
+                    if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
+                        arg = _redistribute_checked(arg, idx, spec)
             if in_grads is not None:
-                grad = validate.check_dtensor_grad_spec(arg, idx, in_grads[idx])
-                local = arg.to_local(grad_placements=grad)
+                grad = in_grads[idx]
+                if type(grad) is not tuple:
+                    grad = validate.check_dtensor_grad_spec(arg, idx, grad)
+                _check_grad_once(lm, idx, grad, arg)
             else:
+                grad = None
+            if grad is None and lm.spmd_types:
+                from .spmd import typed_in_grad_placements  # R -> Partial, see there
+
+                grad = typed_in_grad_placements(arg.placements)
+            # arg.to_local(grad_placements=grad), see Note: [Eager fast path]
+            if type(arg) is DTensor and not getattr(arg, "_is_param", False):
+                local = _to_local_fn(arg, grad) if grad_enabled else arg._local_tensor
+            elif grad is None:
                 local = arg.to_local()
+            else:
+                local = arg.to_local(grad_placements=grad)
             if isinstance(local, AsyncCollectiveTensor):
                 local = local.wait()
+            if _unevenly_sharded(arg):
+                uneven_in.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
             flat_local.append(local)
         else:
-            if in_specs is not None and not isinstance(arg, torch.Tensor):
-                validate.check_non_tensor_input(arg, idx, in_specs[idx])
+            if in_specs is not None and not isinstance(arg, _Tensor):
+                # the error prints the entry as the user wrote it
+                validate.check_non_tensor_input(arg, idx, lm.in_placements[idx])
             flat_local.append(arg)
 
-    local_args = unflatten_args(flat_local, args_spec)
+    local_args = tuple(flat_local) if args_spec is None else unflatten_args(flat_local, args_spec)
 
     if lm.spmd_types and seen_dtensor:
         validate.check_spmd_types_available()
-        from . import spmd
-
-        spmd.annotate_inputs(flat_local, in_specs, in_grads, mesh)
-        with spmd.checking(mesh):
+        splan = plan.spmd_plan(lm, mesh)
+        splan.annotate_inputs(flat_local, in_specs, in_grads)
+        with splan.checking():
             out = lm.func(*local_args, **kwargs)
     else:
         out = lm.func(*local_args, **kwargs)
 
     if not seen_dtensor:
         return out
-    return wrap_outputs(lm, out, mesh)
+    return wrap_outputs(lm, out, mesh, uneven_in)
 
 
-def wrap_outputs(lm: LocalMap, out: Any, mesh) -> Any:
+def _flatten_out(out: Any) -> tuple[list, Any]:
+    """(leaves, spec); spec is a type (tuple/list) or None for fast shapes."""
+    t = type(out)
+    if t is DTensor or not isinstance(out, _Tensor):
+        if (t is tuple or t is list) and all(
+            type(o) is not DTensor and isinstance(o, _Tensor) for o in out
+        ):
+            return list(out), t
+        return pytree.tree_flatten(out)
+    return [out], None
+
+
+def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) -> Any:
     """Turn the body's local outputs into DTensors placed per out_placements."""
-    flat_out, out_spec = pytree.tree_flatten(out)
-    out_specs = lm.out_specs
-    validate.check_out_count(len(flat_out), out_specs)
+    plan = lm._eager_plan or _plan(lm)
+    if type(out) is _Tensor:
+        flat_out, out_spec = [out], None
+    else:
+        flat_out, out_spec = _flatten_out(out)
+    out_specs = plan.out_specs
+    if len(flat_out) != len(out_specs):
+        validate.check_out_count(len(flat_out), out_specs)
 
     grad_specs = None
     if lm.spmd_types:
-        from . import spmd
+        grad_specs = plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, out_specs)
 
-        grad_specs = spmd.out_grad_placements(flat_out, out_specs, mesh)
-
+    ready = plan.out_ready
+    device_type = mesh.device_type
     flat_dist = []
-    for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
-        validate.check_output_value(o, idx, spec)
-        if isinstance(o, torch.Tensor):
-            flat_dist.append(
-                DTensor.from_local(
-                    o,
-                    mesh,
-                    spec,
-                    run_check=False,
-                    grad_placements=None if grad_specs is None else grad_specs[idx],
+    for idx, o in enumerate(flat_out):
+        spec = out_specs[idx]
+        if isinstance(o, DTensor) or not isinstance(o, _Tensor):
+            validate.check_output_value(o, idx, spec)
+        if isinstance(o, _Tensor):
+            _check_out_once(lm, idx, spec, o, mesh)
+            grad = None if grad_specs is None else grad_specs[idx]
+            placements = ready[idx]
+            if uneven_in:
+                shape, uneven = output_global_shape(
+                    tuple(o.shape), tuple(spec), tuple(mesh.shape), uneven_in
                 )
-            )
+                if uneven:
+                    flat_dist.append(
+                        _from_local(
+                            o, mesh, spec, run_check=False, shape=shape,
+                            stride=contiguous_stride(shape), grad_placements=grad,
+                        )
+                    )
+                    continue
+            if placements is not None and (
+                (o.is_cpu if device_type == "cpu" else o.device.type == device_type) or o.is_meta
+            ):
+                # What DTensor.from_local(o, mesh, spec, run_check=False,
+                # grad_placements=grad) passes to its autograd Function.
+                try:
+                    dt = _from_local_fn(
+                        o,
+                        mesh,
+                        placements,
+                        False,
+                        None,
+                        None,
+                        tuple(grad) if grad is not None else None,
+                    )
+                except (IndexError, RuntimeError, TypeError, ValueError) as e:
+                    raise _out_hint(e, idx, spec, o, mesh) from None
+                flat_dist.append(dt)
+            else:
+                try:
+                    dt = _from_local(o, mesh, spec, run_check=False, grad_placements=grad)
+                except (IndexError, RuntimeError, TypeError, ValueError) as e:
+                    raise _out_hint(e, idx, spec, o, mesh) from None
+                flat_dist.append(dt)
         else:
             flat_dist.append(o)
+    if out_spec is None:
+        return flat_dist[0]
+    if out_spec is tuple:
+        return tuple(flat_dist)
+    if out_spec is list:
+        return flat_dist
     return pytree.tree_unflatten(flat_dist, out_spec)

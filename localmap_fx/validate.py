@@ -366,8 +366,6 @@ def _check_from_local_spec(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> No
     for p in spec:
         if not isinstance(p, Placement):
             raise with_hint(RuntimeError(f"{p!r} is not a Placement"), hint)
-    if len(spec) > mesh_ndim:
-        raise with_hint(IndexError("tuple index out of range"), hint)
     for i, p in enumerate(spec):
         if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
             raise with_hint(
@@ -410,7 +408,9 @@ class ShardDimError(IndexError, AssertionError):
     """A Shard dim outside the tensor (torch raises either type for it)."""
 
 
-def check_redistribute_target(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
+def check_redistribute_target(
+    spec: Any, idx: int, mesh_ndim: int, ndim: int, silent_only: bool = False
+) -> None:
     """in_placements[idx] must be a valid target before redistributing to it.
 
     Where ``DTensor.redistribute`` itself would fail, the error has its type
@@ -424,6 +424,15 @@ def check_redistribute_target(spec: Any, idx: int, mesh_ndim: int, ndim: int) ->
         f"leaf {idx} to these placements; give one Placement per mesh dimension "
         f"({mesh_ndim})."
     )
+    if silent_only:
+        # eager: DTensor.redistribute raises (with its own text) for the rest
+        if all(isinstance(p, Placement) for p in spec) and len(spec) > mesh_ndim:
+            raise ValueError(
+                f"in_placements[{idx}] = {spec!r} has {len(spec)} placements but the "
+                f"device mesh has {mesh_ndim} dimension{'s' if mesh_ndim != 1 else ''}."
+                f"\n[localmap_fx] {hint}"
+            )
+        return
     for p in spec:
         if not isinstance(p, Placement):
             raise with_hint(
@@ -467,7 +476,7 @@ def check_out_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
             "Replicate)."
         )
     if isinstance(spec, (list, tuple)) and all(isinstance(p, Placement) for p in spec):
-        if len(spec) < mesh_ndim:
+        if len(spec) != mesh_ndim:
             raise ValueError(
                 f"out_placements[{idx}] = {spec!r} has {len(spec)} placements but "
                 f"the device mesh has {mesh_ndim} dimensions.\n[localmap_fx] give "

@@ -17,7 +17,7 @@ from localmap_fx.shapes import output_global_shape
 
 from dist_harness import run_ranks
 
-MODES = ("compiled",)
+MODES = ("eager", "compiled")
 
 
 def test_output_global_shape_rule():

@@ -1,0 +1,227 @@
+"""The eager fast path (Note: [Eager fast path] in localmap_fx/eager.py).
+
+Where the fast path calls DTensor's autograd Functions directly, or skips
+pytree, the cases below take the other branches (Parameter DTensors, no_grad,
+negative Shard dims, mixed Partial specs, None specs, container outputs, meta
+outputs) and check that ours and torch's ``local_map`` agree on results,
+``grad_fn`` types, placements and errors.  ``tests/test_eager_parity.py``
+covers the common cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+from localmap_fx import local_map as our_local_map
+
+IMPLS = {"torch": torch_local_map, "ours": our_local_map}
+
+
+def _both(body, **kw):
+    return {name: lm(body, **kw) for name, lm in IMPLS.items()}
+
+
+def _dt(mesh, placements, shape=(8, 4), requires_grad=True):
+    t = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    return distribute_tensor(t, mesh, placements).requires_grad_(requires_grad)
+
+
+def _describe(x):
+    if isinstance(x, DTensor):
+        return (
+            "DTensor",
+            tuple(x.placements),
+            tuple(x.shape),
+            tuple(x.stride()),
+            x.requires_grad,
+            type(x.grad_fn).__name__ if x.grad_fn is not None else None,
+            x.to_local().detach().clone(),
+        )
+    if isinstance(x, torch.Tensor):
+        return ("Tensor", x.detach().clone())
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, [_describe(v) for v in x])
+    if isinstance(x, dict):
+        return ("dict", {k: _describe(v) for k, v in x.items()})
+    return ("value", x)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.device != b.device:
+            return False
+        if a.is_meta:
+            return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _outcome(fn, *args):
+    try:
+        return ("ok", _describe(fn(*args)))
+    except Exception as e:  # noqa: BLE001
+        return ("error", type(e), str(e).split("\n[localmap_fx]")[0])
+
+
+def _check(body, args, **kw):
+    fns = _both(body, **kw)
+    got = {name: _outcome(f, *args) for name, f in fns.items()}
+    assert _same(got["ours"], got["torch"]), got
+    return got["ours"]
+
+
+def test_parameter_dtensor_input(mesh1d):
+    p = torch.nn.Parameter(_dt(mesh1d, [Shard(0)]))
+    seen = {}
+
+    def body(t):
+        seen[len(seen)] = (isinstance(t, torch.nn.Parameter), type(t.grad_fn).__name__)
+        return t * 2
+
+    _check(body, (p,), out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    assert seen[0] == seen[1] == (True, "_ToTorchTensorBackward")
+
+
+def test_no_grad_input_is_the_local_tensor(mesh1d):
+    x = _dt(mesh1d, [Shard(0)])
+    seen = []
+
+    def body(t):
+        seen.append(t is x._local_tensor)
+        return t + 1
+
+    with torch.no_grad():
+        _check(body, (x,), out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    assert seen == [True, True]
+
+
+@pytest.mark.parametrize(
+    "out_placements",
+    [
+        [Shard(-1)],
+        (Shard(-2),),
+        [Partial()],
+        [Partial("max")],
+    ],
+    # out_placements=None for a tensor output: a documented call-time error
+    # (docs/troubleshooting.md), covered by tests/test_bad_inputs.py
+    ids=["shard_neg1", "shard_neg2_tuple", "partial", "partial_max"],
+)
+def test_output_specs_taking_the_public_from_local(mesh1d, out_placements):
+    x = _dt(mesh1d, [Shard(0)])
+    _check(lambda t: t * 3, (x,), out_placements=out_placements, in_placements=([Shard(0)],))
+
+
+def test_mixed_partial_output_spec_raises_like_torch(mesh2d):
+    x = _dt(mesh2d, [Shard(0), Shard(1)])
+    got = _check(
+        lambda t: t * 3,
+        (x,),
+        out_placements=[Partial("sum"), Partial("max")],
+        in_placements=([Shard(0), Shard(1)],),
+    )
+    assert got[0] == "error" and got[1] is ValueError
+
+
+@pytest.mark.parametrize(
+    "body,out_placements",
+    [
+        (lambda t: (t, t * 2), ([Shard(0)], [Shard(0)])),
+        (lambda t: [t, t * 2], ([Shard(0)], [Shard(0)])),
+        (lambda t: {"a": t, "b": t * 2}, ([Shard(0)], [Shard(0)])),
+        (lambda t: (t * 2, 3), ([Shard(0)], None)),
+        (lambda t: (t * 2, (t + 1,)), ([Shard(0)], [Shard(0)])),
+    ],
+    ids=["tuple", "list", "dict", "tuple_with_int", "nested"],
+)
+def test_container_outputs(mesh1d, body, out_placements):
+    x = _dt(mesh1d, [Shard(0)])
+    _check(body, (x,), out_placements=out_placements, in_placements=([Shard(0)],))
+
+
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_dtensor_output_raises_like_torch(mesh1d, as_tuple):
+    x = _dt(mesh1d, [Shard(0)])
+    y = _dt(mesh1d, [Replicate()])
+    got = _check(
+        (lambda t: (t * 2, y)) if as_tuple else (lambda t: y),
+        (x,),
+        out_placements=([Shard(0)], [Replicate()]) if as_tuple else [Replicate()],
+        in_placements=([Shard(0)],),
+    )
+    assert got[0] == "error" and got[1] is AssertionError
+
+
+def test_meta_output(mesh1d):
+    x = _dt(mesh1d, [Shard(0)])
+    _check(
+        lambda t: torch.empty(t.shape, device="meta"),
+        (x,),
+        out_placements=[Shard(0)],
+        in_placements=([Shard(0)],),
+    )
+
+
+def test_grad_fns_and_gradients_match(mesh1d):
+    results = {}
+    for name, lm in IMPLS.items():
+        x = _dt(mesh1d, [Replicate()])
+        w = _dt(mesh1d, [Shard(1)], shape=(4, 8))
+        f = lm(
+            lambda a, b: torch.relu(a @ b),
+            out_placements=[Shard(1)],
+            in_placements=([Replicate()], [Shard(1)]),
+            in_grad_placements=([Partial()], [Shard(1)]),
+            device_mesh=mesh1d,
+        )
+        y = f(x, w)
+        y.sum().backward()
+        results[name] = (
+            type(y.grad_fn).__name__,
+            y.grad_fn.next_functions[0][0].name() if y.grad_fn.next_functions else None,
+            tuple(x.grad.placements),
+            x.grad.to_local(),
+            tuple(w.grad.placements),
+            w.grad.to_local(),
+        )
+    assert _same(results["ours"], results["torch"]), results
+
+
+def test_spmd_plan_pushes_the_same_mesh_entry(mesh2d):
+    pytest.importorskip("spmd_types")
+    import spmd_types as spmd
+    from spmd_types._state import _current_mesh_entry
+
+    from localmap_fx.spmd import SpmdPlan
+
+    with spmd.set_current_mesh(mesh2d):
+        expected = _current_mesh_entry()
+    plan = SpmdPlan(mesh2d)
+    for _ in range(2):  # first call resolves, second uses the cache
+        with plan.checking():
+            got = _current_mesh_entry()
+        assert got == expected
+    assert _current_mesh_entry() is None
+
+
+def test_spmd_types_fast_path_matches_torch(mesh1d):
+    pytest.importorskip("spmd_types")
+    x = _dt(mesh1d, [Replicate()])
+    w = _dt(mesh1d, [Shard(1)], shape=(4, 8))
+    for _ in range(2):  # cached plan on the second call
+        _check(
+            lambda a, b: torch.relu(a @ b),
+            (x, w),
+            out_placements=[Shard(1)],
+            in_placements=([Replicate()], [Shard(1)]),
+            in_grad_placements=([Partial()], [Shard(1)]),
+            device_mesh=mesh1d,
+            spmd_types=True,
+        )
