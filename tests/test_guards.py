@@ -92,3 +92,21 @@ def test_graph_break_inside_region_gives_eager_result():
     got = torch.compile(lambda t: body(t), backend=localmap_fx.backend("aot_eager"))(x)
     assert got.placements == expected.placements
     assert torch.equal(got.to_local(), expected.to_local())
+
+
+def test_in_place_update_of_an_input_behaves_as_in_eager():
+    @localmap_fx.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    def body(a):
+        a.add_(1)
+        return a * 2
+
+    results = []
+    for compiled in (False, True):
+        x = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh_1d(), [Shard(0)])
+        f = torch.compile(lambda t: body(t), backend=localmap_fx.backend("aot_eager"), fullgraph=True) if compiled else body
+        y = f(x)
+        results.append((x.to_local().clone(), y.to_local().clone()))
+        torch._dynamo.reset()
+    (ex, ey), (cx, cy) = results
+    assert torch.equal(ex, cx) and torch.equal(ey, cy)
+    assert torch.equal(ex[0], torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the input was updated
