@@ -148,6 +148,21 @@ def wants_nested(in_placements: Any, n_flat: int, n_args: int) -> bool:
     return len(in_placements) == n_args
 
 
+def flatten_call(in_placements: Any, args: tuple, kwargs: dict) -> tuple:
+    """Leaves and paths of a call whose in_placements mirrors or names its arguments.
+
+    Returns ``(leaves, paths, n_positional, kw_tree)``: positional leaves come
+    first, then those of the keyword arguments named in a by-name
+    in_placements (``kw_tree``).
+    """
+    kw_tree = {}
+    if isinstance(in_placements, dict):
+        kw_tree = {k: v for k, v in kwargs.items() if k in in_placements}
+    leaves, paths = flatten(args)
+    kw_leaves, kw_paths = flatten(kw_tree)
+    return leaves + kw_leaves, tuple(paths + kw_paths), len(leaves), kw_tree
+
+
 def call_nested_eager(lm: Any, args: tuple, kwargs: dict) -> Any:
     """Eager call with a mirrored or by-name in_placements.
 
@@ -161,15 +176,11 @@ def call_nested_eager(lm: Any, args: tuple, kwargs: dict) -> Any:
     from .eager import call_eager
     from .validate import plan_nested_inputs
 
-    kw_tree = {k: v for k, v in kwargs.items() if isinstance(lm.in_placements, dict) and k in lm.in_placements}
+    all_leaves, paths, n_positional, kw_tree = flatten_call(lm.in_placements, args, kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in kw_tree}
-    leaves, paths = flatten(args)
-    kw_leaves, kw_paths = flatten(kw_tree)
-    n_positional = len(leaves)
-    all_leaves = leaves + kw_leaves
     _, specs, grads = plan_nested_inputs(
         tuple(describe(a) for a in all_leaves),
-        tuple(paths + kw_paths),
+        paths,
         lm.in_placements,
         lm.in_grad_placements,
         lm.redistribute_inputs,

@@ -86,18 +86,12 @@ _check_outputs = _at_compile_time(validate.check_outputs)
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     flat_args, args_spec = flatten_args(args)
     nested = argtree.wants_nested(lm.in_placements, len(flat_args), len(args))
-    kw_tree: dict = {}
     if nested:
         # in_placements mirrors the arguments (or names them): own flattening
-        if isinstance(lm.in_placements, dict):
-            kw_tree = {k: v for k, v in kwargs.items() if k in lm.in_placements}
-        flat_args, paths = argtree.flatten(args)
-        kw_leaves, kw_paths = argtree.flatten(kw_tree)
-        n_positional = len(flat_args)
-        flat_args = flat_args + kw_leaves
+        flat_args, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
         plan, flat_specs, flat_grads = _plan_nested_inputs(
             tuple(describe(a) for a in flat_args),
-            tuple(paths + kw_paths),
+            paths,
             lm.in_placements,
             lm.in_grad_placements,
             lm.redistribute_inputs,
