@@ -88,7 +88,7 @@ def _from_local_ready(spec: Any) -> tuple | None:
 class EagerPlan:
     """What the eager path decides once per ``local_map`` function."""
 
-    __slots__ = ("in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache")
+    __slots__ = ("in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts")
 
     def __init__(self, lm: LocalMap) -> None:
         ins, grads = lm.in_placements, lm.in_grad_placements
@@ -104,6 +104,11 @@ class EagerPlan:
         self.out_ready = tuple(_from_local_ready(s) for s in lm.out_specs)
         # spmd_types=True: {id(mesh): (mesh, SpmdPlan)}
         self.spmd_cache: dict = {}
+        # {argument index: the DTensorSpec object of the last argument that
+        # passed the per-layout checks and was evenly sharded}.  DTensor never
+        # mutates a spec in place (in-place ops assign a new one), so the same
+        # object means the same layout: the checks would pass again.
+        self.known_layouts: dict = {}
 
     def spmd_plan(self, lm: LocalMap, mesh):
         """The cached :class:`localmap_fx.spmd.SpmdPlan` for ``mesh``."""
@@ -198,11 +203,14 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                     # torch's error or asks for a redistribution.
                     if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
                         arg = _redistribute_checked(arg, idx, spec)
+            layout = arg._spec
+            known = plan.known_layouts.get(idx) is layout
             if in_grads is not None:
                 grad = in_grads[idx]
                 if type(grad) is not tuple:
                     grad = validate.check_dtensor_grad_spec(arg, idx, grad)
-                _check_grad_once(lm, idx, grad, arg)
+                if not known:
+                    _check_grad_once(lm, idx, grad, arg)
             else:
                 grad = None
             if grad is None and lm.spmd_types:
@@ -218,8 +226,11 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 local = arg.to_local(grad_placements=grad)
             if isinstance(local, AsyncCollectiveTensor):
                 local = local.wait()
-            if _unevenly_sharded(arg):
-                uneven_in.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
+            if not known:
+                if _unevenly_sharded(arg):
+                    uneven_in.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
+                else:
+                    plan.known_layouts[idx] = layout
             flat_local.append(local)
         else:
             if in_specs is not None and not isinstance(arg, _Tensor):
