@@ -22,33 +22,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .models import local_map_impl, tp_stack_tensors
+from .models import tp_regions, tp_stack_tensors
 from .timing import ratio_stats, summary, time_paired
 
 __all__ = ["eager_ranks"]
-
-
-def _regions(impl: str, mesh, spmd_types: bool):
-    lm = local_map_impl(impl)
-    from .models import _col, _row
-
-    col = lm(
-        _col,
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
-        device_mesh=mesh,
-        spmd_types=spmd_types,
-    )
-    row = lm(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        in_grad_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-        spmd_types=spmd_types,
-    )
-    return col, row
 
 
 def eager_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
@@ -61,7 +38,7 @@ def eager_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
     leaves = (x, w1, w2)
 
     fns = {
-        (impl, spmd): _regions(impl, mesh, spmd)
+        (impl, spmd): tp_regions(impl, mesh, spmd)
         for impl in ("ours", "torch")
         for spmd in (False, True)
     }

@@ -58,6 +58,28 @@ def _rand(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g)
 
 
+def tp_regions(impl: str, mesh, spmd_types: bool = False):
+    """The column- and row-parallel regions of one TP block, with ``impl``'s local_map."""
+    lm = local_map_impl(impl)
+    col = lm(
+        _col,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        in_grad_placements=([Partial()], [Shard(1)]),
+        device_mesh=mesh,
+        spmd_types=spmd_types,
+    )
+    row = lm(
+        _row,
+        out_placements=[Partial()],
+        in_placements=([Shard(1)], [Shard(0)]),
+        in_grad_placements=([Shard(1)], [Shard(0)]),
+        device_mesh=mesh,
+        spmd_types=spmd_types,
+    )
+    return col, row
+
+
 def tp_stack_tensors(n_blocks: int, batch: int, d: int, hidden: int) -> dict:
     """Full (unsharded) tensors, identical on every rank."""
     return {
@@ -78,23 +100,7 @@ def build_tp_stack(
     device: str = "cpu",
 ):
     """(step, state): ``step(state)`` returns the loss, a scalar DTensor."""
-    lm = local_map_impl(impl)
-    col = lm(
-        _col,
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
-        device_mesh=mesh,
-        spmd_types=spmd_types,
-    )
-    row = lm(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        in_grad_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-        spmd_types=spmd_types,
-    )
+    col, row = tp_regions(impl, mesh, spmd_types)
     full = tp_stack_tensors(n_blocks, batch, d, hidden)
 
     def dist(t, placements):
