@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 
+from .atomic import atomic_write
 from .report import cause_text
 from .summary import short_site
 
@@ -159,15 +160,5 @@ def write_new_or_own(path: str, data: bytes, marker: bytes, force: bool = False)
             head = b""
         if marker not in head:
             raise FileExistsError(f"{path} exists and was not written by localmap-fx; remove it or pass --force")
-    folder = os.path.dirname(path)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, data)
 

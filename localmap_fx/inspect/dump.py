@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import re
-import secrets
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ import torch.fx as fx
 from ..errors import region_error
 from ..region import find_regions
 from . import logs, report, summary as sm
+from .atomic import atomic_write
 
 __all__ = ["ENV_VAR", "DumpDirError", "resolve_dump_dir", "FrameFolder", "FrameInspector", "inspector_for"]
 
@@ -105,18 +105,8 @@ class FrameFolder:
         final = os.path.join(self.path, filename)
         if filename not in self._owned and os.path.lexists(final):
             raise DumpDirError(f"refusing to overwrite {final!r}: localmap_fx did not create it")
-        tmp = os.path.join(self.path, f".{filename}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            # O_EXCL: never follows or reuses an existing name; mode honours the umask.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.replace(tmp, final)
-            except BaseException:
-                if os.path.lexists(tmp):
-                    os.unlink(tmp)
-                raise
+            atomic_write(final, text.encode("utf-8"))
         except OSError as e:
             raise _not_writable(self.path, e) from e
         self._owned.add(filename)
