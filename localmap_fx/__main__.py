@@ -1,7 +1,7 @@
-"""``python -m localmap_fx inspect DIR``: see :mod:`localmap_fx.inspect.cli`."""
+"""``python -m localmap_fx inspect DIR``: see :mod:`localmap_fx.debug.cli`."""
 
 import sys
 
-from .inspect.cli import main
+from .debug.cli import main
 
 sys.exit(main())

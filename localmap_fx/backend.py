@@ -131,10 +131,10 @@ def _inductor(
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions):
     """Run the pipeline on a Dynamo graph and hand it to the inner compiler."""
-    from .inspect.dump import inspector_for
+    from .debug.dump import inspector_for
 
     # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions: observe every stage
-    # through the same hooks, before the user's (see localmap_fx.inspect).
+    # through the same hooks, before the user's (see localmap_fx.debug).
     inspector = inspector_for(opts)
     if inspector is not None:
         opts = inspector.wrap(opts)

@@ -37,7 +37,7 @@ __all__ = ["REGIONS_ARTIFACT", "LOG_NAME", "tracing", "regions_logging", "trace_
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0) registering now still lets
 # torch._logging.set_logs(modules={"localmap_fx_regions": True}) enable it.
 register()
-_regions_log = torch._logging.getArtifactLogger(f"{LOG_NAME}.inspect", REGIONS_ARTIFACT)
+_regions_log = torch._logging.getArtifactLogger(f"{LOG_NAME}.debug", REGIONS_ARTIFACT)
 
 
 def tracing() -> bool:

@@ -11,8 +11,8 @@ dicts of str / int / None); nothing writes files or mutates a graph.
   AOT forward or backward graph (subgraphs expanded at each call), with its
   mesh dimension and the region boundary that caused it.
 * :func:`region_graph` - regions, graph inputs and outputs and the edges
-  between them, for drawing (:mod:`localmap_fx.inspect.draw`).
-(:mod:`localmap_fx.inspect.report` renders them as ``summary.md``.)
+  between them, for drawing (:mod:`localmap_fx.debug.draw`).
+(:mod:`localmap_fx.debug.report` renders them as ``summary.md``.)
 
 Note: [Attributing a collective to a region]
     Capture wraps every node it creates in ``torch.fx.traceback.annotate``;

@@ -1,4 +1,4 @@
-"""Dumps, summaries, the CLI and the drawing (localmap_fx.inspect), one process.
+"""Dumps, summaries, the CLI and the drawing (localmap_fx.debug), one process.
 
 The fake process group makes collectives no-ops, so only graphs matter here;
 the pinned summary.md was checked by hand against what the programs do.
@@ -22,8 +22,8 @@ import torch
 from expecttest import TestCase
 
 import localmap_fx
-from localmap_fx.inspect import cli, draw
-from localmap_fx.inspect.dump import ENV_VAR, DumpDirError, FrameFolder, inspector_for
+from localmap_fx.debug import cli, draw
+from localmap_fx.debug.dump import ENV_VAR, DumpDirError, FrameFolder, inspector_for
 from localmap_fx.testing.graphs import Recorder
 from localmap_fx.testing.models import MODELS
 
@@ -317,7 +317,7 @@ def test_env_var_is_the_default(tmp_path, monkeypatch):
 
 
 def test_nothing_dumped_or_wrapped_when_off(monkeypatch):
-    from localmap_fx.inspect import dump
+    from localmap_fx.debug import dump
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     made = []
