@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +24,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
+
+from . import graph_utils
+from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value
 
 __all__ = [
     "RegionSpec",
@@ -35,6 +36,9 @@ __all__ = [
     "META_ROLE",
     "META_INDEX",
     "META_REGION",
+    "META_PLAN",
+    "META_LOWERED",
+    "META_REGION_ID",
     "spec_annotation",
     "placements_str",
 ]
@@ -44,6 +48,13 @@ META_ROLE = "localmap_fx.role"
 META_INDEX = "localmap_fx.index"
 # node.meta key (not under "custom") that passes put on outlined region nodes.
 META_REGION = "localmap_fx.region"
+# node.meta keys lowering puts on boundary nodes: the redistribute plan of an
+# entry, and "grad placements are explicit" (see lowering.boundaries).
+META_PLAN = "localmap_fx.plan"
+META_LOWERED = "localmap_fx.lowered"
+# node.meta["custom"] key the dumper adds to each region's nodes ("r0", ...;
+# see debug.dump.tag_regions); AOTAutograd carries it to derived nodes.
+META_REGION_ID = "localmap_fx.region_id"
 
 ROLE_ENTER = {META_ROLE: "enter"}
 ROLE_BODY = {META_ROLE: "body"}
@@ -141,7 +152,7 @@ class RegionSpec:
         s = f"{self.func}: in=[{ins}] out=[{outs}]"
         if self.in_grad_placements is not None:
             s += " in_grad=[" + ", ".join(placements_str(p) for p in self.in_grad_placements) + "]"
-        dims = self.mesh_dim_names or tuple(str(i) for i in range(len(self.mesh_shape)))
+        dims = graph_utils.mesh_dim_names(self)
         s += " mesh=" + "x".join(f"{n}:{k}" for n, k in zip(dims, self.mesh_shape))
         if self.redistribute_inputs:
             s += " redistribute_inputs"
@@ -187,47 +198,20 @@ class Region:
         return None
 
 
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom") or {}
-
-
 def role_of(node: fx.Node) -> str | None:
     if node.op in ("placeholder", "output"):
         return None
-    return _custom(node).get(META_ROLE)
-
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-# Frames of these files sit between the user's call and the region.
-_WRAPPER_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in ("api.py", "capture.py"))
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-
-
-def call_site_of(nodes: Sequence[fx.Node]) -> tuple[str, str]:
-    """(file:line, function) of the user code that called the region."""
-    for node in nodes:
-        trace = node.meta.get("stack_trace")
-        if not trace:
-            continue
-        frames = _FRAME_RE.findall(trace)
-        best = None
-        for fname, line, func in frames:
-            if os.path.abspath(fname) in _WRAPPER_FILES:
-                break
-            best = (f"{fname}:{line}", func)
-        if best is not None:
-            return best
-    return ("<unknown>", "<unknown>")
+    return custom_meta(node).get(META_ROLE)
 
 
 def _mesh_of(enter: Sequence[fx.Node], exits: Sequence[fx.Node]) -> DeviceMesh | None:
     for n in exits:
-        val = n.meta.get("example_value")
+        val = node_value(n)
         if val is not None and hasattr(val, "device_mesh"):
             return val.device_mesh
     for n in enter:
         for a in n.all_input_nodes:
-            val = a.meta.get("example_value")
+            val = node_value(a)
             if val is not None and hasattr(val, "device_mesh"):
                 return val.device_mesh
     return None
@@ -274,7 +258,7 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
                 runs.append((cur_ann, cur))
             cur, cur_ann, last_role = [], None, None
             continue
-        ann = _custom(node).get(META_SPEC)
+        ann = custom_meta(node).get(META_SPEC)
         if META_REGION in node.meta and role is None:
             role = "body"
         new_call = (
@@ -301,7 +285,7 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
 def _local_of_enter(enter: list[fx.Node], idx: int) -> fx.Node | None:
     last = None
     for n in enter:
-        if _custom(n).get(META_INDEX) == idx:
+        if custom_meta(n).get(META_INDEX) == idx:
             last = n
     return last
 
@@ -313,7 +297,7 @@ def _extract(
     # Inputs: user arguments first, in the order the user wrote them.
     arg_locals: dict[fx.Node, int] = {}
     for n in enter:
-        idx = _custom(n).get(META_INDEX)
+        idx = custom_meta(n).get(META_INDEX)
         if idx is not None and _local_of_enter(enter, idx) is n:
             arg_locals[n] = idx
     inputs: list[RegionInput] = [
@@ -327,7 +311,7 @@ def _extract(
                 inputs.append(RegionInput("captured", None, a))
     # Outputs: values leaving the body, exit order first.
     outputs: list[fx.Node] = []
-    for e in sorted(exits, key=lambda n: _custom(n).get(META_INDEX, 0)):
+    for e in sorted(exits, key=lambda n: custom_meta(n).get(META_INDEX, 0)):
         src = e.args[0] if e.args else None
         if isinstance(src, fx.Node) and src not in outputs:
             outputs.append(src)
@@ -349,24 +333,13 @@ def _extract(
     owner = torch.nn.Module()
     for n in body:
         if n.op == "get_attr":
-            setattr(owner, n.target.replace(".", "_"), _fetch_attr(gm, n.target))
+            setattr(owner, n.target.replace(".", "_"), fetch_attr(gm, n.target))
             env[n] = sub.get_attr(n.target.replace(".", "_"))
             env[n].meta = dict(n.meta)
             continue
         env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(tuple(env[o] if o in env else _placeholder_for(sub, env, o) for o in outputs))
+    sub.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(owner, sub, class_name="region_body"), inputs, outputs
-
-
-def _placeholder_for(sub, env, node):
-    return env[node]
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
@@ -380,7 +353,7 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             enter = [n for n in nodes if role_of(n) == "enter"]
             exits = [n for n in nodes if role_of(n) == "exit"]
             body = [n for n in nodes if n not in enter and n not in exits]
-            sub = _fetch_attr(gm, node.args[0].target)
+            sub = fetch_attr(gm, node.args[0].target)
             regions.append(
                 Region(
                     node=node,

@@ -65,10 +65,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import OpOverload
 
 import spmd_types as spmd
 from spmd_types import I, P, R, V
+
+from .graph_utils import NON_COLLECTIVE_OPS, funcol_op
 
 __all__ = [
     "CollectiveRule",
@@ -78,8 +80,6 @@ __all__ = [
     "rules",
     "rules_table_markdown",
 ]
-
-_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
 # reduce ops whose all_reduce / reduce_scatter are linear maps
 _LINEAR_REDUCE_OPS = ("sum", "avg")
@@ -218,7 +218,7 @@ RULES: tuple[CollectiveRule, ...] = (
 )
 
 # ops that pass their input through unchanged (type included)
-_IDENTITY_OPS = ("wait_tensor", "_wrap_tensor_autograd")
+_IDENTITY_OPS = NON_COLLECTIVE_OPS
 
 # argument names, per op, of the tensor(s), the reduce op and the group
 _ARGS = {
@@ -433,19 +433,6 @@ def _bind(func, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _op_name(func) -> tuple[str, str] | None:
-    """``(namespace, name)`` of a functional-collective op, else None."""
-    if isinstance(func, OpOverload):
-        ns, name = func._schema.name.split("::", 1)
-    elif isinstance(func, OpOverloadPacket):
-        ns, name = func._qualified_op_name.split("::", 1)
-    else:
-        return None
-    if ns not in _NAMESPACES:
-        return None
-    return ns, name
-
-
 def _run_unchecked(func, args, kwargs):
     with spmd.no_typecheck():
         return func(*args, **kwargs)
@@ -502,7 +489,7 @@ def _unknown(name: str):
 @functools.lru_cache(maxsize=None)
 def _handler(func):
     """What to do with ``func``: None (not ours), or a callable(func, args, kwargs)."""
-    name = _op_name(func)
+    name = funcol_op(func)
     if name is None:
         return None
     ns, op = name

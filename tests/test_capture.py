@@ -13,6 +13,7 @@ from expecttest import TestCase
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
+from localmap_fx.graph_utils import is_collective
 from localmap_fx.testing.graphs import (
     Recorder,
     collective_counts,
@@ -52,7 +53,7 @@ def _aot_collectives(rec: Recorder) -> str:
             for mod in gm.modules():
                 if isinstance(mod, torch.fx.GraphModule):
                     for n in mod.graph.nodes:
-                        if n.op == "call_function" and "c10d_functional" in str(n.target) and "wait" not in str(n.target):
+                        if is_collective(n):
                             ops.append(str(n.target).replace("_c10d_functional.", ""))
         lines.append(f"{kind}: {', '.join(ops) or '-'}")
     return "\n".join(lines) + "\n"

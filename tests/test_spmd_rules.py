@@ -240,7 +240,7 @@ def test_backend_typecheck_option(typecheck, spmd_types, raises):
 
 def test_grads_derived_at_compile_time_for_funcol_outputs():
     """R output -> Partial grad; typecheck='off' keeps DTensor's Replicate."""
-    from localmap_fx.lowering.boundaries import META_LOWERED
+    from localmap_fx.region import META_LOWERED
 
     for typecheck, want in (("regions", (Partial(),)), ("off", (Replicate(),))):
         seen = {}

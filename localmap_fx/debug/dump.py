@@ -38,7 +38,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..errors import region_error
-from ..region import find_regions
+from ..region import META_REGION_ID, find_regions
 from . import logs, report, summary as sm
 from .atomic import atomic_write
 
@@ -322,7 +322,7 @@ def tag_regions(regions) -> None:
         for node in (*region.enter_nodes, *region.body_nodes, *region.exit_nodes):
             custom = node.meta.get("custom")
             if custom:
-                node.meta["custom"] = {**custom, sm.META_REGION_ID: f"r{k}"}
+                node.meta["custom"] = {**custom, META_REGION_ID: f"r{k}"}
 
 
 def _generated_code_path(compiled: Any) -> str | None:

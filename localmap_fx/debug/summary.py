@@ -39,13 +39,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..lowering.boundaries import META_LOWERED, META_PLAN, _is_from_local, _is_method
+from ..graph_utils import (
+    call_site_of,
+    custom_meta as _custom,
+    fetch_attr,
+    is_collective,
+    is_from_local,
+    is_redistribute,
+    is_to_local,
+    mesh_dim_names,
+    node_value as _val,
+)
 from ..region import (
     META_INDEX,
+    META_LOWERED,
+    META_PLAN,
+    META_REGION_ID,
     META_ROLE,
     META_SPEC,
     Region,
-    call_site_of,
     find_regions,
     placements_str,
 )
@@ -62,19 +74,9 @@ __all__ = [
     "tensor_desc",
     "tensor_text",
     "short_site",
-    "META_REGION_ID",
 ]
 
-# node.meta["custom"] key the dumper adds to each region's nodes (see dump.tag_regions).
-META_REGION_ID = "localmap_fx.region_id"
-
 # --- small formatting helpers --------------------------------------------------
-
-
-def _val(node: Any) -> Any:
-    if not isinstance(node, fx.Node):
-        return None
-    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def _dtype_abbr(dtype: torch.dtype) -> str:
@@ -123,10 +125,6 @@ def _pl(placements: Any) -> str:
         return repr(placements)
 
 
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom") or {}
-
-
 def graph_text(gm: fx.GraphModule) -> str:
     """The graph as ``print_readable`` prints it (no colours), plus a newline."""
     return gm.print_readable(print_output=False, include_stride=False, colored=False) + "\n"
@@ -141,7 +139,7 @@ def is_lowered(gm: fx.GraphModule) -> bool:
 
 
 def _mesh_text(spec) -> str:
-    names = spec.mesh_dim_names or tuple(str(i) for i in range(len(spec.mesh_shape)))
+    names = mesh_dim_names(spec)
     return "x".join(f"{n}:{k}" for n, k in zip(names, spec.mesh_shape)) or "-"
 
 
@@ -180,7 +178,7 @@ def _enter_info(region: Region) -> dict[int, dict]:
         if idx is None:
             continue
         info = out.setdefault(idx, {})
-        if _is_method(node, "redistribute"):
+        if is_redistribute(node):
             src, dst = _val(node.args[0]), _val(node)
             info["arrived"] = _pl(getattr(src, "placements", None))
             plan = node.meta.get(META_PLAN)
@@ -188,7 +186,7 @@ def _enter_info(region: Region) -> dict[int, dict]:
                 info["plan"] = plan.text()
             elif dst is not None:
                 info["plan"] = f"{info['arrived']}->{_pl(getattr(dst, 'placements', None))}"
-        elif _is_method(node, "to_local"):
+        elif is_to_local(node):
             src = _val(node.args[0])
             info["placements"] = _pl(getattr(src, "placements", None))
             grad = node.kwargs.get("grad_placements")
@@ -201,7 +199,7 @@ def _enter_info(region: Region) -> dict[int, dict]:
 def _exit_info(region: Region) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for node in region.exit_nodes:
-        if not _is_from_local(node):
+        if not is_from_local(node):
             continue
         j = _custom(node).get(META_INDEX)
         val = _val(node)
@@ -325,7 +323,7 @@ def mesh_groups(gm: fx.GraphModule, regions: Iterable[Region] = ()) -> dict[str,
     mesh dimension of every mesh seen in ``gm`` (inputs and regions)."""
     groups: dict[str, dict] = {}
     for mesh in _meshes(gm, regions):
-        names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+        names = mesh_dim_names(mesh)
         for d in range(mesh.ndim):
             try:
                 name = mesh.get_group(d).group_name
@@ -336,13 +334,6 @@ def mesh_groups(gm: fx.GraphModule, regions: Iterable[Region] = ()) -> dict[str,
 
 
 # --- collectives ---------------------------------------------------------------
-
-
-def _is_collective(node: fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    ns = node.target.namespace
-    return ns.startswith("_c10d_functional") and node.target._opname != "wait_tensor"
 
 
 def _schema_args(node: fx.Node) -> dict[str, Any]:
@@ -375,10 +366,8 @@ def _subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
     subs = []
     for a in node.args:
         if isinstance(a, fx.Node) and a.op == "get_attr":
-            obj: Any = gm
             try:
-                for part in a.target.split("."):
-                    obj = getattr(obj, part)
+                obj = fetch_attr(gm, a.target)
             except AttributeError:
                 continue
             if isinstance(obj, fx.GraphModule):
@@ -446,7 +435,7 @@ def collective_rows(
     groups = groups or {}
     rows = []
     for node, outer in _walk(gm):
-        if not _is_collective(node):
+        if not is_collective(node):
             continue
         args = _schema_args(node)
         group = args.get("group_name")

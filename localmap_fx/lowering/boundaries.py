@@ -31,14 +31,12 @@ import torch.fx as fx
 from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Placement
 
-from ..region import META_INDEX, Region, find_regions
+from ..graph_utils import custom_meta, is_from_local, is_redistribute, is_to_local, node_value
+from ..region import META_INDEX, META_LOWERED, META_PLAN, Region, find_regions
 from .plan import RedistributePlan, plan_redistribute
 from .spmd_check import out_grad_placements_for, typed_in_grad_placements
 
-__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower", "META_PLAN", "META_LOWERED"]
-
-META_PLAN = "localmap_fx.plan"
-META_LOWERED = "localmap_fx.lowered"
+__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,28 +52,13 @@ class Boundary:
     plan: RedistributePlan | None = None
 
 
-def _val(node: fx.Node):
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def _is_method(node: fx.Node, name: str) -> bool:
-    return node.op == "call_method" and node.target == name
-
-
-def _is_from_local(node: fx.Node) -> bool:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._api import from_local as _api_from_local
-
-    return node.op == "call_function" and node.target in (DTensor.from_local, _api_from_local)
-
-
 def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundary]:
     out: list[Boundary] = []
     spec = region.spec
     for node in region.enter_nodes:
-        idx = node.meta["custom"].get(META_INDEX)
-        if _is_method(node, "redistribute"):
-            src_val, dst_val = _val(node.args[0]), _val(node)
+        idx = custom_meta(node).get(META_INDEX)
+        if is_redistribute(node):
+            src_val, dst_val = node_value(node.args[0]), node_value(node)
             plan = plan_redistribute(
                 dst_val.device_mesh,
                 tuple(src_val.placements),
@@ -86,8 +69,8 @@ def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Bounda
             out.append(
                 Boundary("redistribute", node, r_idx, idx, tuple(dst_val.placements), None, plan)
             )
-        elif _is_method(node, "to_local"):
-            src = _val(node.args[0])
+        elif is_to_local(node):
+            src = node_value(node.args[0])
             placements = tuple(src.placements)
             if spec.in_grad_placements is not None:
                 grad = tuple(spec.in_grad_placements[idx])
@@ -108,10 +91,10 @@ def _exit_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundar
         out_grad_placements_for(region)
     out: list[Boundary] = []
     for node in region.exit_nodes:
-        if not _is_from_local(node):
+        if not is_from_local(node):
             continue
-        j = node.meta["custom"].get(META_INDEX)
-        placements = tuple(_val(node).placements)
+        j = custom_meta(node).get(META_INDEX)
+        placements = tuple(node_value(node).placements)
         if derived is not None:
             grad = derived[j]
         else:

@@ -15,7 +15,6 @@ decide as eagerly.
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 import torch.fx as fx
@@ -24,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import spmd
 from ..errors import region_error
-from ..region import _WRAPPER_FILES, Region
+from ..graph_utils import custom_meta, is_wrapper_frame, node_value, stack_frames
+from ..region import META_INDEX, Region
 
 __all__ = ["check_region", "out_grad_placements_for", "typed_in_grad_placements"]
 
@@ -65,7 +65,7 @@ def _run_checked(region: Region) -> tuple:
     mesh = spec.mesh
     if mesh is None:
         raise AssertionError(f"region {spec.func} has no device mesh")
-    vals = [i.node.meta.get("example_value") for i in region.inputs]
+    vals = [node_value(i.node) for i in region.inputs]
     mode = detect_fake_mode(vals) or FakeTensorMode()
     with mode:
         fakes = [_fresh_fake(mode, v) for v in vals]
@@ -94,7 +94,7 @@ def _run_checked(region: Region) -> tuple:
         raise
     by_node = dict(zip(region.outputs, outs))
     flat_out = []
-    exit_by_index = {e.meta["custom"]["localmap_fx.index"]: e for e in region.exit_nodes}
+    exit_by_index = {custom_meta(e)[META_INDEX]: e for e in region.exit_nodes}
     for j, s in enumerate(spec.out_placements):
         e = exit_by_index.get(j)
         if e is None:
@@ -129,7 +129,6 @@ def out_grad_placements_for(region: Region) -> tuple:
         raise region_error(e, where) from e
 
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?![ \t]*File ")[ \t]+([^\n]*))?')
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, spmd.spmd)
     if m is not None and getattr(m, "__file__", None)
@@ -145,18 +144,18 @@ def _body_line(node: fx.Node | None) -> str:
     """
     if node is None or node.op in ("placeholder", "output"):
         return ""
-    body: list[tuple[str, ...]] = []
-    for frame in _FRAME_RE.findall(node.stack_trace or ""):
-        if os.path.abspath(frame[0]) in _WRAPPER_FILES:
+    body = []
+    for frame in stack_frames(node.stack_trace):
+        if is_wrapper_frame(frame):
             body = []  # frames after the call of the body
             continue
         body.append(frame)
-    user = [f for f in body if not os.path.abspath(f[0]).startswith(_LIBRARY_DIRS)]
+    user = [f for f in body if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
     if not user:
         return node.format_node()
-    fname, line, func, code = user[-1]
-    where = f"{fname}:{line} ({func})"
-    return f"{where}: {code.strip()}" if code.strip() else where
+    f = user[-1]
+    where = f"{f.site} ({f.function})"
+    return f"{where}: {f.code}" if f.code else where
 
 
 _TRACEBACK_NOTE = (

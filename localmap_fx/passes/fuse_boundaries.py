@@ -20,8 +20,8 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..lowering.boundaries import META_LOWERED, _is_from_local, _is_method, _val
-from ..region import role_of
+from ..graph_utils import is_from_local, is_to_local, node_value
+from ..region import META_LOWERED, role_of
 
 __all__ = ["RoundTrip", "find_round_trips", "remove_round_trip", "fuse_boundaries"]
 
@@ -35,10 +35,10 @@ class RoundTrip:
 def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
     out = []
     for node in gm.graph.nodes:
-        if not (_is_method(node, "to_local") and role_of(node) == "enter"):
+        if not (is_to_local(node) and role_of(node) == "enter"):
             continue
         src = node.args[0]
-        if not (isinstance(src, fx.Node) and _is_from_local(src) and role_of(src) == "exit"):
+        if not (isinstance(src, fx.Node) and is_from_local(src) and role_of(src) == "exit"):
             continue
         if not (node.meta.get(META_LOWERED) and src.meta.get(META_LOWERED)):
             continue
@@ -46,7 +46,7 @@ def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
         g_out = src.kwargs.get("grad_placements")
         if g_in is None or g_out is None or tuple(g_in) != tuple(g_out):
             continue
-        local, dst = _val(src.args[0]), _val(node)
+        local, dst = node_value(src.args[0]), node_value(node)
         if local is None or dst is None or local.device != dst.device or local.dtype != dst.dtype:
             continue
         out.append(RoundTrip(src, node))

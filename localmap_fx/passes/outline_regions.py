@@ -27,6 +27,7 @@ import re
 import torch
 import torch.fx as fx
 
+from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, find_regions
 
 __all__ = ["OutlineMatch", "find_outline_matches", "outline_region", "outline_regions"]
@@ -37,12 +38,6 @@ class OutlineMatch:
     region: Region
     key: tuple
     skip_reason: str | None = None
-
-
-def _val(n):
-    if isinstance(n, fx.Node):
-        return n.meta.get("example_value", n.meta.get("val"))
-    return None
 
 
 def _storage_key(t):

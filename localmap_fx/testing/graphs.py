@@ -9,16 +9,9 @@ import torch
 import torch.fx as fx
 
 from ..backend import backend
+from ..graph_utils import collective_name, is_collective
 
-__all__ = ["Recorder", "normalized", "collective_counts", "COLLECTIVE_OPS"]
-
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_to_all_single",
-    "broadcast",
-)
+__all__ = ["Recorder", "normalized", "collective_counts", "eager_collective_counts"]
 
 
 class Recorder:
@@ -78,13 +71,18 @@ def collective_counts(gms) -> Counter:
             if not isinstance(mod, fx.GraphModule):
                 continue
             for n in mod.graph.nodes:
-                if n.op != "call_function":
-                    continue
-                name = getattr(n.target, "__name__", str(n.target))
-                base = name.split(".")[0]
-                if base in COLLECTIVE_OPS and "c10d_functional" in str(getattr(n.target, "namespace", "")) + str(n.target):
-                    c[base] += 1
+                if is_collective(n):
+                    c[collective_name(n.target)] += 1
     return c
+
+
+_EAGER_FUNCOLS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
 
 
 def eager_collective_counts(fn, *args) -> tuple[Counter, Counter]:
@@ -94,8 +92,10 @@ def eager_collective_counts(fn, *args) -> tuple[Counter, Counter]:
     def counts(mode) -> Counter:
         out: Counter = Counter()
         for op, k in mode.get_comm_counts().items():
-            name = getattr(op, "__name__", str(op)).split(".")[0]
-            if name in COLLECTIVE_OPS:
+            # CommDebugMode reports native funcol ops as the Python
+            # functions of torch.distributed._functional_collectives
+            name = collective_name(op) or getattr(op, "__name__", "")
+            if name in _EAGER_FUNCOLS:
                 out[name] += k
         return out
 
