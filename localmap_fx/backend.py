@@ -10,12 +10,10 @@ forward and backward graphs too (``on_aot_graph``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .lowering import lower

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from expecttest import TestCase
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import localmap_fx
 from localmap_fx.graph_utils import is_collective
@@ -289,7 +289,6 @@ def test_aot_collectives_match_eager(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_no_region_lost_or_split(name):
-    m = MODELS[name]
     rec = _compile(name)
     expected = {"loop3": 3, "redistribute": 1, "partial_grad": 1}.get(name, 2)
     for stage in ("captured", "outline_regions", "lower_boundaries", "fuse_boundaries"):

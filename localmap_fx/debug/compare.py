@@ -12,7 +12,7 @@ import collections
 from collections.abc import Sequence
 
 from .report import cause_text
-from .summary import short_site, tensor_text
+from .formatting import short_site, tensor_text
 
 __all__ = ["diff_summaries", "diff_frames"]
 

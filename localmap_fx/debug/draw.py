@@ -16,7 +16,7 @@ import subprocess
 
 from .atomic import atomic_write
 from .report import cause_text
-from .summary import short_site
+from .formatting import bytes_text, short_site
 
 __all__ = ["to_dot", "render_svg", "find_dot", "write_new_or_own", "DotNotFound", "INSTALL_HINT"]
 
@@ -56,15 +56,6 @@ def _region_label(r: dict) -> str:
         f"{r['id']}  {r['func']}\n{short_site(r.get('call_site'))}\n"
         f"in [{ins}]  out [{outs}]\nmesh {r.get('mesh', '-')}"
     )
-
-
-def _bytes(n: object) -> str:
-    if isinstance(n, int):
-        for unit in ("B", "KiB", "MiB", "GiB"):
-            if n < 1024 or unit == "GiB":
-                return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-            n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def to_dot(summary: dict, title: str | None = None) -> str:
@@ -111,7 +102,7 @@ def to_dot(summary: dict, title: str | None = None) -> str:
             label = (
                 f"{phase} #{k - 1}\n{c['op']}"
                 + (f" ({c['reduce_op']})" if c.get("reduce_op") else "")
-                + f"\n{dim} x{c.get('group_size', '?')} · {_bytes(c.get('bytes_per_rank'))}/rank"
+                + f"\n{dim} x{c.get('group_size', '?')} · {bytes_text(c.get('bytes_per_rank'))}/rank"
             )
             lines.append(
                 f"  {_q(cid)} {_attrs(shape='octagon', style='filled', fillcolor=_PHASE_COLOR.get(phase, '#eeeeee'), label=label, tooltip=cause_text(c))};"

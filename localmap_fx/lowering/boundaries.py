@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Placement

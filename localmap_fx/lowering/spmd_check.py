@@ -26,7 +26,7 @@ from ..errors import region_error
 from ..graph_utils import custom_meta, is_wrapper_frame, node_value, stack_frames
 from ..region import META_INDEX, Region
 
-__all__ = ["check_region", "out_grad_placements_for", "typed_in_grad_placements"]
+__all__ = ["out_grad_placements_for", "typed_in_grad_placements"]
 
 typed_in_grad_placements = spmd.typed_in_grad_placements
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import torch
 import torch.fx as fx
 
 from ..backend import backend
