@@ -21,7 +21,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
+from . import argtree
+
 __all__ = [
+    "describe",
     "as_placements",
     "normalize_in_specs",
     "normalize_out_specs",
@@ -258,8 +261,19 @@ class Described:
     __repr__ = __str__
 
 
+def describe(x: Any) -> tuple:
+    """A constant description of ``x`` (Dynamo passes it to real Python; see the Note above)."""
+    if isinstance(x, DTensor):
+        return ("dtensor", x.placements, x.ndim, len(x.placements))
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.ndim)
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return ("value", x)
+    return ("object", type(x).__name__)
+
+
 def described(desc: tuple) -> Described:
-    """A :class:`Described` from the constant tuple capture builds (see capture.describe)."""
+    """A :class:`Described` from a :func:`describe` tuple."""
     kind = desc[0]
     if kind == "dtensor":
         return Described("dtensor", tuple(desc[1]), desc[2], mesh_ndim=desc[3])
@@ -305,8 +319,6 @@ def plan_nested_inputs(
 
     Returns ``(plan, flat in_placements, flat in_grad_placements)``.
     """
-    from . import argtree
-
     specs = argtree.resolve(in_placements, list(paths), param_names)
     grads = in_grad_placements
     if grads is not None and (isinstance(grads, dict) or len(grads) != len(descs)):
