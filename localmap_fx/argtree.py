@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["flatten", "unflatten", "flatten_call", "wants_nested", "is_spec_leaf", "resolve", "path_str", "NestedSpecs"]
+__all__ = ["flatten", "unflatten", "flatten_call", "wants_nested", "is_spec_leaf", "resolve", "path_str"]
 
 Path = tuple  # of int | str keys
 
@@ -75,10 +75,6 @@ def path_str(path: Path) -> str:
     for k in rest:
         s += f"[{k!r}]"
     return s
-
-
-class NestedSpecs:
-    """Marker: per-leaf specs resolved from a mirrored or by-name in_placements."""
 
 
 def _lookup(tree: Any, full_path: Path, where: str) -> Any:

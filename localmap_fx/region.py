@@ -191,12 +191,6 @@ class Region:
     outputs: list[fx.Node]
     outlined: bool
 
-    def local_value(self, arg_index: int) -> fx.Node | None:
-        for i in self.inputs:
-            if i.kind == "arg" and i.index == arg_index:
-                return i.node
-        return None
-
 
 def role_of(node: fx.Node) -> str | None:
     if node.op in ("placeholder", "output"):

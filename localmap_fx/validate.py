@@ -26,7 +26,6 @@ from . import argtree
 __all__ = [
     "describe",
     "as_placements",
-    "normalize_in_specs",
     "normalize_out_specs",
     "check_in_count",
     "check_dtensor_in_spec",
@@ -36,7 +35,6 @@ __all__ = [
     "check_out_count",
     "check_output_value",
     "check_spec_fits_mesh",
-    "check_grad_fits_mesh",
 ]
 
 
@@ -45,24 +43,6 @@ def as_placements(spec: Any) -> tuple[Placement, ...] | None:
     if spec is None or isinstance(spec, tuple):
         return spec
     return tuple(spec)
-
-
-def normalize_in_specs(specs: Any) -> tuple | None:
-    """in_placements / in_grad_placements with each entry as a tuple.
-
-    Entries that are not sequences are kept as they are so that the errors
-    torch raises for them (at call time, for the offending argument) still
-    happen at the same point.
-    """
-    if specs is None:
-        return None
-    out = []
-    for s in specs:
-        if isinstance(s, (list, tuple)):
-            out.append(tuple(s))
-        else:
-            out.append(s)
-    return tuple(out)
 
 
 def normalize_out_specs(out_placements: Any) -> tuple:
@@ -213,10 +193,6 @@ def check_spec_fits_mesh(spec: tuple, mesh_ndim: int, where: str, ndim: int | No
                     f"has {ndim} dimensions: use a Shard dim in "
                     f"[{-ndim}, {ndim})."
                 )
-
-
-def check_grad_fits_mesh(spec: tuple, mesh_ndim: int, where: str) -> None:
-    check_spec_fits_mesh(spec, mesh_ndim, where, None)
 
 
 # --- Checks on descriptions of values (the compiled path) ---------------------

@@ -82,9 +82,6 @@ def _structural_key(gm: fx.GraphModule) -> tuple:
     return tuple(parts)
 
 
-_INPLACE_SAFE = frozenset()
-
-
 def _skip_reason(region: Region) -> str | None:
     if not region.body_nodes:
         return "empty body"
