@@ -23,7 +23,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.backend",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli"),
     ("localmap_fx.passes",),
-    ("localmap_fx.passes.outline_regions", "localmap_fx.passes.fuse_boundaries", "localmap_fx.lowering"),
+    (
+        "localmap_fx.passes.outline_regions",
+        "localmap_fx.passes.fuse_boundaries",
+        "localmap_fx.passes.hoist_subgraph_views",
+        "localmap_fx.lowering",
+    ),
     (
         "localmap_fx.debug.collectives",
         "localmap_fx.debug.region_graph",
