@@ -102,14 +102,14 @@ def _loadavg():
 
 def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log=print) -> dict:
     """Run the selected groups ("eager", "compiled", "compile_time", "redistribute")."""
+    import torch
+
     from localmap_fx.testing.dist import run_ranks
 
     from .compile_time import compile_time_worker
     from .compiled_bench import compiled_ranks
     from .eager_bench import eager_ranks
     from .redistribute_bench import redistribute_worker
-
-    import torch
 
     cfg = QUICK if quick else DEFAULTS
     groups = only or {"eager", "compiled", "compile_time", "redistribute"}

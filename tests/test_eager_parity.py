@@ -279,8 +279,9 @@ def _torch_local_map_typed_grads(
     ``to_local()``'s default (Replicate, wrong for a type-R input).  This is
     torch's local_map called with exactly those ``in_grad_placements``.
     """
-    from localmap_fx.spmd import typed_in_grad_placements
     from torch.distributed.tensor._api import _normalize_placements_for_grad
+
+    from localmap_fx.spmd import typed_in_grad_placements
 
     kw = dict(redistribute_inputs=redistribute_inputs, spmd_types=spmd_types)
     if func is None:

@@ -15,8 +15,8 @@ import shutil
 import subprocess
 
 from .atomic import atomic_write
-from .report import cause_text
 from .formatting import bytes_text, short_site
+from .report import cause_text
 
 __all__ = ["to_dot", "render_svg", "find_dot", "write_new_or_own", "DotNotFound", "INSTALL_HINT"]
 
