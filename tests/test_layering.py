@@ -167,3 +167,32 @@ def test_checker_sees_function_level_and_relative_imports(tmp_path):
     known = {"localmap_fx.api", "localmap_fx.capture", "localmap_fx.region", "localmap_fx.lowering.validate"}
     got = imports_of("localmap_fx.lowering.mod", str(f), known)
     assert {d for d, _ in got} == {"localmap_fx.capture", "localmap_fx.region", "localmap_fx.lowering.validate"}
+
+
+def _modules_after(code: str) -> set[str]:
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(ROOT)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True, text=True, env=env, cwd=root, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def test_public_names_do_not_import_the_compiler():
+    # Dynamo/Inductor load when a backend compiles a graph, not before
+    # (startup time is measured in benchmarks/startup.py).
+    mods = _modules_after("import torch, localmap_fx\nfrom localmap_fx import local_map, backend, BackendOptions")
+    assert "localmap_fx.api" in mods and "localmap_fx.backend" in mods
+    assert not {"torch._dynamo", "torch._inductor"} & mods
+
+
+def test_cli_does_not_import_torch():
+    mods = _modules_after("import localmap_fx.debug.cli, localmap_fx.debug.draw, localmap_fx.debug.compare")
+    assert "localmap_fx.debug.report" in mods
+    assert "torch" not in mods
