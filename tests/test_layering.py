@@ -24,7 +24,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.backend",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli"),
     ("localmap_fx.passes",),
-    ("localmap_fx.passes.outline_regions", "localmap_fx.passes.fuse_boundaries", "localmap_fx.lowering"),
+    (
+        "localmap_fx.passes.outline_regions",
+        "localmap_fx.passes.fuse_boundaries",
+        "localmap_fx.lowering",
+        "localmap_fx.debug.layout",
+    ),
     (
         "localmap_fx.debug.collectives",
         "localmap_fx.debug.region_graph",
@@ -37,7 +42,6 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.capture",
         "localmap_fx.debug.tables",
         "localmap_fx.debug.report",
-        "localmap_fx.debug.layout",
         "localmap_fx.lowering.plan",
         "localmap_fx.lowering.spmd_check",
     ),
