@@ -888,7 +888,7 @@ def _same_twice(m):
 def test_special(meshes, name):
     if name in UNEVEN_GLOBAL_SHAPE:
         # pytorch #172812: torch assumes even shards when wrapping outputs;
-        # ours infers the true global shape (docs/user-guide.md, "Troubleshooting").
+        # ours infers the true global shape (docs/user-guide.md, "Deviations from torch").
         theirs = outcome(torch_local_map, SPECIAL[name], meshes)
         ours = outcome(our_local_map, SPECIAL[name], meshes)
         assert theirs.error is None and ours.error is None
@@ -900,7 +900,7 @@ def test_special(meshes, name):
         return
     if name in CALL_TIME_ERRORS:
         # torch accepts the call silently; we raise at the call (documented in
-        # docs/user-guide.md, "Troubleshooting", "Deviations"): check both halves.
+        # docs/user-guide.md, "Deviations from torch"): check both halves.
         assert outcome(torch_local_map, SPECIAL[name], meshes).error is None
         ours = outcome(our_local_map, SPECIAL[name], meshes).error
         assert ours is not None and ours[1] is CALL_TIME_ERRORS[name], ours
