@@ -153,7 +153,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
         return gm.forward
     if opts.inner == "aot_eager":
         return _aot(gm, example_inputs, opts)
-    return _inductor(gm, example_inputs, opts, inspector and inspector.on_inner_output)
+    return _inductor(gm, example_inputs, opts, inspector.on_inner_output if inspector is not None else None)
 
 
 def backend(inner: str = "inductor", **options: Any) -> Callable:
