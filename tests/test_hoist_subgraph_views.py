@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import operator
 
-import pytest
 import torch
 import torch.fx as fx
 from expecttest import assert_expected_inline

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -46,13 +47,13 @@ class SubgraphViewOutput:
     index: int
     operand: int
     # (target, args after the viewed tensor, kwargs) per view op, innermost first
-    chain: tuple[tuple[object, tuple, tuple], ...]
+    chain: tuple[tuple[Any, tuple, tuple], ...]
 
 
 def _view_chain(sub: fx.GraphModule, out: object) -> tuple[int, tuple] | None:
     """(placeholder position, view chain) when ``out`` is views of a subgraph input, else None."""
     placeholders = list(sub.graph.find_nodes(op="placeholder"))
-    chain = []
+    chain: list[tuple[Any, tuple, tuple]] = []
     node = out
     while isinstance(node, fx.Node) and node.op == "call_function" and _is_view_op(node.target):
         rest = node.args[1:]
@@ -65,9 +66,9 @@ def _view_chain(sub: fx.GraphModule, out: object) -> tuple[int, tuple] | None:
     return placeholders.index(node), tuple(reversed(chain))
 
 
-def _has_node(x: object) -> bool:
-    found = []
-    fx.node.map_arg(x, lambda n: found.append(n))
+def _has_node(x: Any) -> bool:
+    found: list[fx.Node] = []
+    fx.node.map_arg(x, found.append)
     return bool(found)
 
 
@@ -78,13 +79,15 @@ def find_subgraph_view_outputs(gm: fx.GraphModule) -> list[SubgraphViewOutput]:
         sub_node, _identifier, *operands = call.args
         if not isinstance(sub_node, fx.Node) or sub_node.op != "get_attr":
             continue
-        sub = getattr(gm, sub_node.target)
+        sub = getattr(gm, str(sub_node.target))
         (outputs,) = sub.graph.find_nodes(op="output")[0].args
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         for getter in call.users:
             if getter.target is not operator.getitem or not getter.users:
                 continue
             index = getter.args[1]
+            if not isinstance(index, int):
+                continue
             found = _view_chain(sub, outputs[index])
             if found is None:
                 continue
@@ -99,6 +102,8 @@ def hoist_view_output(gm: fx.GraphModule, match: SubgraphViewOutput) -> fx.Node:
     """Replace ``match.getter`` by the same views of the caller's operand; returns the last view."""
     graph = gm.graph
     value = match.call.args[2 + match.operand]
+    if not isinstance(value, fx.Node):
+        raise AssertionError(f"operand {match.operand} of {match.call.name} is not a node")
     anchor = match.getter
     for target, rest, kwargs in match.chain:
         with graph.inserting_after(anchor):
