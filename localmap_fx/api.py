@@ -106,7 +106,11 @@ class LocalMap:
         self.out_specs = validate.normalize_out_specs(out_placements)
         # Positional parameter names, for in_placements given by name (argtree).
         self.param_names = _param_names(func) if isinstance(in_placements, dict) else None
-        self.spec_annotation = spec_annotation(
+        # A local_map built inside traced code (inside ``forward``): build the
+        # annotation for real, so that it holds only constants (Note: [local_map
+        # built while Dynamo traces]).
+        build = _spec_annotation_at_trace_time if torch.compiler.is_compiling() else spec_annotation
+        self.spec_annotation = build(
             func=func,
             in_placements=in_placements,
             out_specs=self.out_specs,
@@ -132,6 +136,40 @@ class LocalMap:
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+# Note: [local_map built while Dynamo traces]
+#     Model code often writes ``local_map(region_fn, ...)(x, w)`` inside
+#     ``forward``; Dynamo then traces ``LocalMap.__init__`` too.  Traced,
+#     ``spec_annotation`` can produce values that are not Python constants
+#     (``getattr(func, "__qualname__", ...)`` gave a ``getset_descriptor``), and
+#     the annotation must hold constants only.  ``assume_constant_result`` runs
+#     it for real at trace time, on the constant arguments, so the region gets
+#     the same annotation as a ``local_map`` made outside ``forward``; Dynamo
+#     guards on the function and placements as usual, so later calls reuse the
+#     compiled frame.
+def _spec_annotation_now(func, in_placements, out_specs, in_grad_placements, device_mesh,
+                         redistribute_inputs, spmd_types) -> dict:
+    return spec_annotation(
+        func=func,
+        in_placements=in_placements,
+        out_specs=out_specs,
+        in_grad_placements=in_grad_placements,
+        device_mesh=device_mesh,
+        redistribute_inputs=redistribute_inputs,
+        spmd_types=spmd_types,
+    )
+
+
+_spec_annotation_traced = torch._dynamo.assume_constant_result(_spec_annotation_now)
+
+
+def _spec_annotation_at_trace_time(
+    *, func, in_placements, out_specs, in_grad_placements, device_mesh, redistribute_inputs, spmd_types
+) -> dict:
+    return _spec_annotation_traced(
+        func, in_placements, out_specs, in_grad_placements, device_mesh, redistribute_inputs, spmd_types
+    )
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:
