@@ -15,7 +15,8 @@ and Inductor compile a repeated layer once::
 A body is left inline (and reported by :func:`find_outline_matches` with a
 reason) when outlining would change what it computes: it is empty, returns
 one of its inputs or a view of one, mutates an input in place, or receives
-the same storage twice.
+the same storage twice, or when it sits inside a nested subgraph
+(checkpoint, control flow; see Note: [Regions inside nested subgraphs]).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ _INPLACE_SAFE = frozenset()
 
 
 def _skip_reason(region: Region) -> str | None:
+    if region.scope:
+        # the body would have to live in that subgraph's module: keep it
+        # inline (the region is still lowered; see region.py)
+        return f"inside the nested subgraph {region.scope}"
     if not region.body_nodes:
         return "empty body"
     inputs = [i.node for i in region.inputs]
