@@ -92,14 +92,21 @@ def spec_annotation(
     device_mesh: DeviceMesh | None,
     redistribute_inputs: bool,
     spmd_types: bool,
+    identity: tuple[str, str] | None = None,
 ) -> dict:
     """The constant dict capture puts in ``node.meta["custom"]``.
 
-    Built once per ``local_map`` function, outside traced code: Dynamo only
-    accepts annotation values it can read as Python constants.
+    Built once per ``local_map`` function, normally outside traced code:
+    Dynamo only accepts annotation values it can read as Python constants.
+    ``identity`` = ``(name, definition site)`` of ``func`` when the caller
+    already has them as constants (a ``local_map`` built while Dynamo traces).
     """
-    code = getattr(func, "__code__", None)
-    site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+    if identity is not None:
+        name, site = identity
+    else:
+        code = getattr(func, "__code__", None)
+        site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+        name = getattr(func, "__qualname__", type(func).__name__)
 
     def norm(specs: Any) -> Any:
         # Bad values are kept as given: validation reports them at call time,
@@ -110,7 +117,7 @@ def spec_annotation(
 
     return {
         META_SPEC: {
-            "func": getattr(func, "__qualname__", type(func).__name__),
+            "func": name,
             "func_site": site,
             "in": norm(in_placements),
             "out": norm(out_specs),

@@ -95,6 +95,28 @@ def test_local_map_built_in_forward_compiles_once_and_keeps_region():
         torch._dynamo.reset()
 
 
+def test_local_map_built_in_forward_closing_over_a_tensor_or_builtin():
+    def fn(x, w, s):
+        def scaled(a, b):
+            return (a @ b) * s
+
+        h = localmap_fx.local_map(scaled, out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(1)]))(x, w)
+        return localmap_fx.local_map(torch.relu, out_placements=[Shard(1)], in_placements=([Shard(1)],))(h)
+
+    rec = Recorder("aot_eager")
+    compiled = torch.compile(fn, backend=rec.backend, fullgraph=True)
+    x, w = _inputs()
+    s = torch.full((8,), 2.0, requires_grad=True)
+    for _ in range(2):
+        out = compiled(x, w, s)
+    assert len(rec.stages["captured"]) == 1
+    regions = localmap_fx.find_regions(rec.stage("captured"))
+    assert [r.spec.func for r in regions] == [f"{fn.__qualname__}.<locals>.scaled", "builtin_function_or_method"]
+    assert [(i.kind, i.index) for i in regions[0].inputs] == [("arg", 0), ("arg", 1), ("captured", None)]
+    out.to_local().sum().backward()
+    assert s.grad is not None
+
+
 def test_local_map_built_in_forward_numerics():
     with LocalTensorMode(WORLD_SIZE):
         results = []
