@@ -5,7 +5,7 @@
     python -m benchmarks.run --docs docs          # also update docs/benchmarks.md and docs/benchmarks.png
 
 Each group runs in fresh processes: P1/P2 and P3/P4/P7/memory on 2 ranks of
-a real process group (``tests/dist_harness.run_ranks``), P5 and P6 in one
+a real process group (``localmap_fx.testing.dist.run_ranks``), P5 and P6 in one
 spawned process each, on a fake process group (graph-level measurements).
 See docs/benchmarks.md for what each figure means.
 """
@@ -25,8 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 __all__ = ["main", "run_all", "TARGETS"]
 
@@ -104,7 +102,7 @@ def _loadavg():
 
 def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log=print) -> dict:
     """Run the selected groups ("eager", "compiled", "compile_time", "redistribute")."""
-    from tests.dist_harness import run_ranks
+    from localmap_fx.testing.dist import run_ranks
 
     from .compile_time import compile_time_worker
     from .compiled_bench import compiled_ranks

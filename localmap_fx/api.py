@@ -16,7 +16,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
-from . import validate
+from . import argtree, validate
+from ._pytree import flatten_args
 from .eager import call_eager
 from .region import spec_annotation
 
@@ -126,9 +127,7 @@ class LocalMap:
 
             return call_captured(self, args, kwargs)
         if self.param_names is not None or _maybe_nested(self.in_placements, args):
-            from .argtree import call_nested_eager
-
-            return call_nested_eager(self, args, kwargs)
+            return _call_nested_eager(self, args, kwargs)
         return call_eager(self, args, kwargs)
 
     def __repr__(self) -> str:
@@ -170,7 +169,41 @@ def _maybe_nested(in_placements: Any, args: tuple) -> bool:
         return False
     if not any(type(a) in (tuple, list, dict) for a in args):
         return False  # every argument is one leaf: the flat form applies
-    from .argtree import wants_nested
-    from ._pytree import flatten_args
+    return argtree.wants_nested(in_placements, len(flatten_args(args)[0]), len(args))
 
-    return wants_nested(in_placements, len(flatten_args(args)[0]), len(args))
+
+def _call_nested_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    """Eager call with a mirrored or by-name in_placements.
+
+    Checks the arguments on their descriptions (the checks capture runs, so
+    errors name the argument path), then runs the ordinary eager fallback on
+    the flattened leaves with the resolved per-leaf specs; the body gets its
+    arguments rebuilt.
+    """
+    all_leaves, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in kw_tree}
+    _, specs, grads = validate.plan_nested_inputs(
+        tuple(validate.describe(a) for a in all_leaves),
+        paths,
+        lm.in_placements,
+        lm.in_grad_placements,
+        lm.redistribute_inputs,
+        lm.param_names,
+    )
+    func = lm.func
+
+    def body(*local_leaves):
+        local_args = argtree.unflatten(args, list(local_leaves[:n_positional]))
+        local_kw = argtree.unflatten(kw_tree, list(local_leaves[n_positional:]))
+        return func(*local_args, **rest, **local_kw)
+
+    flat = LocalMap(
+        body,
+        lm.out_placements,
+        specs,
+        grads,
+        lm.device_mesh,
+        lm.redistribute_inputs,
+        lm.spmd_types,
+    )
+    return call_eager(flat, tuple(all_leaves), {})

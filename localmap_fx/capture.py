@@ -46,22 +46,11 @@ from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 if TYPE_CHECKING:
     from .api import LocalMap
 
-__all__ = ["call_captured", "describe"]
+__all__ = ["call_captured"]
 
 _ENTER = {**ROLE_ENTER}
 _BODY = {**ROLE_BODY}
 _EXIT = {**ROLE_EXIT}
-
-
-def describe(x: Any) -> tuple:
-    """A constant description of ``x`` (Dynamo can pass it to real Python)."""
-    if isinstance(x, DTensor):
-        return ("dtensor", x.placements, x.ndim, len(x.placements))
-    if isinstance(x, torch.Tensor):
-        return ("tensor", x.ndim)
-    if isinstance(x, (int, float, bool, str, type(None))):
-        return ("value", x)
-    return ("object", type(x).__name__)
 
 
 def _at_compile_time(check):
@@ -90,7 +79,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         # in_placements mirrors the arguments (or names them): own flattening
         flat_args, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
         plan, flat_specs, flat_grads = _plan_nested_inputs(
-            tuple(describe(a) for a in flat_args),
+            tuple(validate.describe(a) for a in flat_args),
             paths,
             lm.in_placements,
             lm.in_grad_placements,
@@ -102,7 +91,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     else:
         annotation = lm.spec_annotation
         plan = _plan_inputs(
-            tuple(describe(a) for a in flat_args),
+            tuple(validate.describe(a) for a in flat_args),
             lm.in_placements,
             lm.in_grad_placements,
             lm.redistribute_inputs,
@@ -143,7 +132,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
 
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
-    _check_outputs(tuple(describe(o) for o in flat_out), out_specs, mesh.ndim)
+    _check_outputs(tuple(validate.describe(o) for o in flat_out), out_specs, mesh.ndim)
     flat_dist = []
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):

@@ -5,19 +5,27 @@ A backend's exceptions normally reach the user wrapped in Dynamo's
 type eager raises (``ValueError`` for a mistyped body, say), so the error we
 raise at compile time is an instance of a subclass of *both* the eager type
 and Dynamo's ``ShortenTraceback`` (which Dynamo re-raises untouched).
+
+These errors only arise while compiling, so Dynamo is imported here on first
+use, never when localmap_fx is imported (see benchmarks/startup.py).
 """
 
 from __future__ import annotations
 
 import functools
 
-from torch._dynamo.exc import ShortenTraceback
+__all__ = ["region_error", "compile_time"]
 
-__all__ = ["region_error"]
+
+def _shorten_traceback() -> type:
+    from torch._dynamo.exc import ShortenTraceback
+
+    return ShortenTraceback
 
 
 @functools.cache
 def _compile_error_type(base: type) -> type:
+    ShortenTraceback = _shorten_traceback()
     try:
         # The message is the eager str() plus the call site: a base type's own
         # __str__ (SpmdTypeError appends its ``context``) must not redo it.
@@ -33,7 +41,7 @@ def region_error(exc: BaseException, where: str) -> BaseException:
     msg = f"{exc}\n[localmap_fx] in {where}"
     cls = _compile_error_type(type(exc))
     try:
-        if issubclass(cls, ShortenTraceback):
+        if issubclass(cls, _shorten_traceback()):
             err = cls.__new__(cls)
             BaseException.__init__(err, msg)
             err.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
@@ -48,7 +56,7 @@ def region_error(exc: BaseException, where: str) -> BaseException:
 def compile_time(exc: BaseException) -> BaseException:
     """``exc`` as raised at compile time: same type and text, passed through by Dynamo."""
     cls = _compile_error_type(type(exc))
-    if not issubclass(cls, ShortenTraceback):
+    if not issubclass(cls, _shorten_traceback()):
         return exc
     err = cls.__new__(cls)
     BaseException.__init__(err, *exc.args)

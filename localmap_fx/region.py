@@ -216,12 +216,6 @@ class Region:
     owner: fx.GraphModule | None = None
     scope: str = ""
 
-    def local_value(self, arg_index: int) -> fx.Node | None:
-        for i in self.inputs:
-            if i.kind == "arg" and i.index == arg_index:
-                return i.node
-        return None
-
 
 def role_of(node: fx.Node) -> str | None:
     if node.op in ("placeholder", "output"):

@@ -81,10 +81,6 @@ __all__ = [
     "rules_table_markdown",
 ]
 
-# reduce ops whose all_reduce / reduce_scatter are linear maps
-_LINEAR_REDUCE_OPS = ("sum", "avg")
-
-
 @dataclasses.dataclass(frozen=True)
 class CollectiveRule:
     """How one functional collective changes the SPMD type on its mesh axis.

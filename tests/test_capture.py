@@ -18,6 +18,7 @@ from localmap_fx.testing.graphs import (
     Recorder,
     collective_counts,
     eager_collective_counts,
+    model_sites,
     normalized,
 )
 from localmap_fx.testing.models import MODELS
@@ -42,7 +43,7 @@ def _regions_text(gm) -> str:
         out.append("  inputs: " + ", ".join(
             f"{i.kind}{'' if i.index is None else i.index}={i.node.name}" for i in r.inputs
         ))
-    return "\n".join(out) + "\n"
+    return model_sites("\n".join(out) + "\n")
 
 
 def _aot_collectives(rec: Recorder) -> str:
@@ -66,9 +67,9 @@ class TestPinnedGraphs(TestCase):
         rec = _compile("tp_mlp")
         captured = rec.stage("captured")
         self.assertExpectedInline(_regions_text(captured), """\
-_col: in=[R, S(1)] out=[S(1)] in_grad=[P, S(1)] mesh=tp:4 @ models.py:77 in _tp_mlp_step
+_col: in=[R, S(1)] out=[S(1)] in_grad=[P, S(1)] mesh=tp:4 @ models.py:_tp_mlp_step+2 in _tp_mlp_step
   inputs: arg0=local, arg1=local_1
-_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:78 in _tp_mlp_step
+_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:_tp_mlp_step+3 in _tp_mlp_step
   inputs: arg0=local_2, arg1=local_3
 """)
         regions = localmap_fx.find_regions(captured)
@@ -165,7 +166,7 @@ backward: -
     def test_redistribute_region(self):
         rec = _compile("redistribute")
         self.assertExpectedInline(_regions_text(rec.stage("captured")), """\
-_scale_rows: in=[S(0), R] out=[S(0)] mesh=tp:4 redistribute_inputs @ models.py:154 in _redistribute_step
+_scale_rows: in=[S(0), R] out=[S(0)] mesh=tp:4 redistribute_inputs @ models.py:_redistribute_step+2 in _redistribute_step
   inputs: arg0=local, arg1=local_1
 """)
         self.assertExpectedInline(normalized(rec.stage("fuse_boundaries")), """\
@@ -199,9 +200,9 @@ backward: all_gather_into_tensor.default
     def test_attention_regions(self):
         rec = _compile("attention")
         self.assertExpectedInline(_regions_text(rec.stage("captured")), """\
-_attn: in=[R, S(1), S(1), S(1), None] out=[S(1)] in_grad=[P, S(1), S(1), S(1), None] mesh=tp:4 @ models.py:124 in _attn_step
+_attn: in=[R, S(1), S(1), S(1), None] out=[S(1)] in_grad=[P, S(1), S(1), S(1), None] mesh=tp:4 @ models.py:_attn_step+2 in _attn_step
   inputs: arg0=local, arg1=local_1, arg2=local_2, arg3=local_3
-_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:125 in _attn_step
+_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:_attn_step+3 in _attn_step
   inputs: arg0=local_4, arg1=local_5
 """)
         regions = localmap_fx.find_regions(rec.stage("captured"))
@@ -234,9 +235,9 @@ backward: -
     def test_mesh2d_regions(self):
         rec = _compile("mesh2d")
         self.assertExpectedInline(_regions_text(rec.stage("captured")), """\
-_col: in=[(S(0),R), (R,S(1))] out=[(S(0),S(1))] in_grad=[(S(0),P), (P,S(1))] mesh=dp:2xtp:2 @ models.py:266 in _mesh2d_step
+_col: in=[(S(0),R), (R,S(1))] out=[(S(0),S(1))] in_grad=[(S(0),P), (P,S(1))] mesh=dp:2xtp:2 @ models.py:_mesh2d_step+2 in _mesh2d_step
   inputs: arg0=local, arg1=local_1
-_row: in=[(S(0),S(1)), (R,S(0))] out=[(S(0),P)] in_grad=[(S(0),S(1)), (P,S(0))] mesh=dp:2xtp:2 @ models.py:267 in _mesh2d_step
+_row: in=[(S(0),S(1)), (R,S(0))] out=[(S(0),P)] in_grad=[(S(0),S(1)), (P,S(0))] mesh=dp:2xtp:2 @ models.py:_mesh2d_step+3 in _mesh2d_step
   inputs: arg0=local_2, arg1=local_3
 """)
         self.assertExpectedInline(normalized(rec.stage("fuse_boundaries")), """\

@@ -24,7 +24,7 @@ from expecttest import TestCase
 import localmap_fx
 from localmap_fx.debug import cli, draw
 from localmap_fx.debug.dump import ENV_VAR, DumpDirError, FrameFolder, inspector_for
-from localmap_fx.testing.graphs import Recorder
+from localmap_fx.testing.graphs import Recorder, model_sites
 from localmap_fx.testing.models import MODELS
 
 from helpers import mesh_for
@@ -106,9 +106,9 @@ class TestKnownDump(TestCase):
 
     def test_region_file_has_header_and_local_body(self):
         with open(os.path.join(self.tp_mlp, "region_1.txt")) as f:
-            text = f.read()
+            text = model_sites(f.read())
         assert "# spec:      _row: in=[S(1), S(0)] out=[P] mesh=tp:4" in text
-        assert re.search(r"# called at: .*models\.py:78 in _tp_mlp_step", text)
+        assert re.search(r"# called at: .*models\.py:_tp_mlp_step\+3 in _tp_mlp_step", text)
         assert 'def forward(self, arg0: "f32[8, 8]", arg1: "f32[8, 16]")' in text
 
     def test_summary_json_regions_and_collectives(self):
@@ -130,7 +130,7 @@ class TestKnownDump(TestCase):
 
     def test_summary_md_pinned(self):
         with open(os.path.join(self.redistribute, "summary.md")) as f:
-            text = _norm(f.read())
+            text = model_sites(_norm(f.read()))
         # Hand-checked: x arrives S(1) and is needed S(0) (DTensor plans
         # all_to_all; the CPU group runs it as all_gather + chunk), w goes
         # S(0) -> R (all_gather); the user's y.redistribute(R) gathers once
@@ -146,7 +146,7 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
 
 | id | region | call site | mesh | in | out | in grad | out grad | local inputs | local outputs |
 |---|---|---|---|---|---|---|---|---|---|
-| r0 | _scale_rows | models.py:154 (_redistribute_step) | tp:4 | S(1)->S(0), S(0)->R | S(0) | S(0), R | S(0) | f32[2, 8], f32[8, 8] | f32[2, 8] |
+| r0 | _scale_rows | models.py:_redistribute_step+2 (_redistribute_step) | tp:4 | S(1)->S(0), S(0)->R | S(0) | S(0), R | S(0) | f32[2, 8], f32[8, 8] | f32[2, 8] |
 
 ## Redistributions at region entry (planned)
 
@@ -159,10 +159,10 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
 
 | # | phase | op | mesh dim | group size | bytes/rank | caused by | source line |
 |---|---|---|---|---|---|---|---|
-| 0 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:154 |
-| 1 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg1 | models.py:154 |
-| 2 | forward | all_gather_into_tensor | tp | 4 | 64 | user code (input from r0) | models.py:155 |
-| 3 | backward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:154 |
+| 0 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:_redistribute_step+2 |
+| 1 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg1 | models.py:_redistribute_step+2 |
+| 2 | forward | all_gather_into_tensor | tp | 4 | 64 | user code (input from r0) | models.py:_redistribute_step+3 |
+| 3 | backward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:_redistribute_step+2 |
 
 ## Files
 
@@ -195,9 +195,9 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
         assert (rc, out.strip()) == (0, "no difference in regions or collectives")
         rc, out, _ = _run_cli("inspect", self.tp_mlp, "--diff", self.redistribute)
         assert rc == 1
-        lines = out.splitlines()
-        assert "  - region r0 _col (models.py:77)" in lines
-        assert "  + region r0 _scale_rows (models.py:154)" in lines
+        lines = model_sites(out).splitlines()
+        assert "  - region r0 _col (models.py:_tp_mlp_step+2)" in lines
+        assert "  + region r0 _scale_rows (models.py:_redistribute_step+2)" in lines
         assert "  ~ forward collectives: 1 -> 3" in lines
         assert "  ~ backward collectives: 0 -> 1" in lines
         assert "  - 1x forward all_reduce (sum) tp x4 512 B/rank, user code (input from r1)" in lines

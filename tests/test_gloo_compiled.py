@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 MODELS_1D = ["tp_mlp", "attention", "redistribute", "partial_grad", "loop3", "spmd"]
 

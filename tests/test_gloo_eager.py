@@ -26,7 +26,7 @@ import traceback
 
 import pytest
 import torch
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 WORLD_SIZE = 2
 B, D, H = 4, 8, 16  # batch, model dim, hidden dim (H and D divisible by 2)
@@ -316,7 +316,7 @@ def _raise_on_rank1(rank: int, world_size: int, device: str) -> None:
 
 def test_harness_reraises_child_exception():
     """run_ranks re-raises the first failing rank's error with its traceback."""
-    from dist_harness import RankTraceback
+    from localmap_fx.testing.dist import RankTraceback
 
     with pytest.raises(ValueError, match="raised on purpose by rank 1") as info:
         run_ranks(_raise_on_rank1, world_size=2, timeout=60)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 GLOO_CASES = [
     "ar_sum_matmul",

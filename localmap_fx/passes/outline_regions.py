@@ -83,9 +83,6 @@ def _structural_key(gm: fx.GraphModule) -> tuple:
     return tuple(parts)
 
 
-_INPLACE_SAFE = frozenset()
-
-
 def _skip_reason(region: Region) -> str | None:
     if region.scope:
         # the body would have to live in that subgraph's module: keep it

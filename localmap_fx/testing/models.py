@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ..api import local_map
 
-__all__ = ["Model", "MODELS", "get_model"]
+__all__ = ["Model", "MODELS", "grad_tensors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,10 +280,6 @@ MODELS = {
         Model("mesh2d", _mesh2d_build, _mesh2d_step, mesh_ndim=2),
     )
 }
-
-
-def get_model(name: str) -> Model:
-    return MODELS[name]
 
 
 def grad_tensors(state: dict) -> dict[str, DTensor]:
