@@ -42,6 +42,7 @@ from .errors import compile_time
 from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from .reuse import run_body
 
 if TYPE_CHECKING:
     from .api import LocalMap
@@ -128,7 +129,8 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         return lm.func(*local_args, **kwargs)
 
     with annotate(annotation), annotate(_BODY):
-        out = lm.func(*local_args, **kwargs)
+        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
 
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
