@@ -109,6 +109,8 @@ class LocalMap:
         self.param_names = _param_names(func) if isinstance(in_placements, dict) else None
         self.spec_annotation = spec_annotation(
             func=func,
+            # Note: [local_map built while Dynamo traces]
+            identity=_traced_identity(func) if torch.compiler.is_compiling() else None,
             in_placements=in_placements,
             out_specs=self.out_specs,
             in_grad_placements=in_grad_placements,
@@ -131,6 +133,23 @@ class LocalMap:
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+# Note: [local_map built while Dynamo traces]
+#     Model code often writes ``local_map(region_fn, ...)(x, w)`` inside
+#     ``forward``; Dynamo then traces ``LocalMap.__init__`` too.  There
+#     ``func.__qualname__`` of a module-level function comes back as a
+#     ``getset_descriptor`` (torch 2.14.1), which is not a constant and broke
+#     the annotation.  The code object's ``co_qualname`` / ``co_filename`` are
+#     constants to Dynamo, so a traced construction names the function from
+#     them (a callable without code is named by its type).  Everything else
+#     in the annotation is placements and flags, constants already; Dynamo
+#     guards on them as usual, so later calls reuse the compiled frame.
+def _traced_identity(func: Callable) -> tuple[str, str]:
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    return type(func).__name__, "<unknown>"
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:

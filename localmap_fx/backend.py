@@ -74,6 +74,10 @@ class BackendOptions:
         ps: list[Pass] = []
         if self.outline:
             ps.append(outline_regions)
+        else:
+            from .passes.inline_shared_bodies import inline_shared_bodies
+
+            ps.append(inline_shared_bodies)  # bodies Dynamo shared (localmap_fx.reuse)
         ps.append(_lower_with(self.typecheck))
         if self.fuse_boundaries:
             ps.append(fuse_boundaries)

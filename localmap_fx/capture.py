@@ -41,6 +41,7 @@ from . import argtree, validate
 from ._pytree import flatten_args, pytree, unflatten_args
 from .errors import compile_time
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from .reuse import run_body
 from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
@@ -128,7 +129,8 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         return lm.func(*local_args, **kwargs)
 
     with annotate(annotation), annotate(_BODY):
-        out = lm.func(*local_args, **kwargs)
+        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
 
     if mesh is None:
         raise AssertionError("a region with a DTensor argument has a mesh")

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.backend",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compile_pieces"),
     ("localmap_fx.passes",),
+    ("localmap_fx.passes.inline_shared_bodies",),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
@@ -52,7 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.lowering.spmd_check",
     ),
     ("localmap_fx.spmd",),
-    ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd_rules"),
+    ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd_rules", "localmap_fx.reuse"),
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",

@@ -141,6 +141,7 @@ def region_text(region_id: str, region: Region) -> str:
         f"# spec:      {spec.text()}",
         f"# defined:   {spec.func_site}",
         f"# called at: {spec.call_site} in {spec.call_function}",
+        *([f"# inside:    nested subgraph {region.scope}"] if region.scope else []),
         "# inputs:    " + ("; ".join(ins) or "-"),
         "# outputs:   " + ("; ".join(outs) or "-"),
         "# The body below runs on every rank, on local tensors (local shapes).",
@@ -243,6 +244,7 @@ def region_rows(gm: fx.GraphModule, regions: Sequence[Region] | None = None) -> 
                 "redistribute_inputs": spec.redistribute_inputs,
                 "spmd_types": spec.spmd_types,
                 "outlined": region.outlined,
+                "scope": region.scope,
                 "inputs": inputs,
                 "outputs": outputs,
             }

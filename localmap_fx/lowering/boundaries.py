@@ -149,5 +149,8 @@ def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:
     """
     for b in find_boundaries(gm, typecheck=typecheck):
         rewrite_boundary(b)
-    gm.recompile()
+    # regions inside nested subgraphs (checkpoint bodies...) live in submodules
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            m.recompile()
     return gm
