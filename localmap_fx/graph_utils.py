@@ -44,6 +44,8 @@ __all__ = [
     "is_from_local",
     "mesh_dim_names",
     "fetch_attr",
+    "subgraph_attr",
+    "getitem_users",
     "Frame",
     "stack_frames",
     "WRAPPER_FILES",
@@ -142,6 +144,25 @@ def mesh_dim_names(mesh: Any) -> tuple[str, ...]:
         return tuple(names)
     ndim = len(mesh.mesh_shape) if hasattr(mesh, "mesh_shape") else mesh.ndim
     return tuple(str(i) for i in range(ndim))
+
+
+def subgraph_attr(call: fx.Node) -> fx.Node:
+    """The ``get_attr`` node naming the subgraph a higher-order op (``invoke_subgraph``) calls."""
+    attr = call.args[0] if call.args else None
+    if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
+        raise AssertionError(f"{call.name} does not call a subgraph attribute (args[0] = {attr!r})")
+    return attr
+
+
+def getitem_users(call: fx.Node) -> dict[int, fx.Node]:
+    """``index -> node`` for every ``operator.getitem(call, index)`` user of ``call``."""
+    import operator
+
+    out: dict[int, fx.Node] = {}
+    for user in call.users:
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+            out[user.args[1]] = user
+    return out
 
 
 def fetch_attr(gm: fx.GraphModule, target: object) -> Any:

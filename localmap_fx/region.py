@@ -384,7 +384,7 @@ def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.Grap
             except AttributeError:
                 continue
             if isinstance(mod, fx.GraphModule):
-                out.append((a.target, mod))
+                out.append((str(a.target), mod))
     return out
 
 

@@ -59,6 +59,8 @@ from torch._dynamo.comptime import comptime
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .graph_utils import node_value
+
 __all__ = ["region_reuse", "reuse_enabled", "run_body", "SHARED_BODY_PREFIX"]
 
 _ENABLED = True
@@ -191,7 +193,7 @@ def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
     for item in _vt(ctx, "local_args").items:
         item = item.realize() if hasattr(item, "realize") else item
         if isinstance(item, TensorVariable):
-            t = item.as_proxy().node.meta.get("example_value")
+            t = node_value(item.as_proxy().node)
             if not isinstance(t, torch.Tensor) or type(t).__name__ == "DTensor":
                 return None, [], None
             meta = (tuple(t.shape), tuple(t.stride()))
@@ -248,7 +250,7 @@ def _lookup(ctx) -> None:
             state.probes.append(
                 _Probe(key, graph, set(graph.nodes), fakes, [t._version for t in fakes])
             )
-        elif verdict.safe and _disjoint(fakes, verdict.captured):
+        elif verdict.safe and func is not None and _disjoint(fakes, verdict.captured):
             decision = _shared_body_name(key, func)
     _DECISIONS.append(decision)
 
@@ -266,6 +268,7 @@ def _probe_end(ctx) -> None:
     graph = ctx.graph()
     safe = graph is probe.graph  # else a graph break split the body
     out = _vt(ctx, "out")
+    outs: list
     if isinstance(out, TensorVariable):
         outs = [out]
     elif type(out) is TupleVariable and all(isinstance(o, TensorVariable) for o in out.items):
@@ -282,12 +285,12 @@ def _probe_end(ctx) -> None:
         for n in new:
             sources = [n] if n.op == "placeholder" else [a for a in n.all_input_nodes if a not in new_set]
             for a in sources:
-                v = a.meta.get("example_value")
+                v = node_value(a)
                 if isinstance(v, torch.Tensor):
                     captured |= _storages(v) - arg_storages
         out_storages: set = set()
         for o in outs:
-            s = _storages(o.as_proxy().node.meta["example_value"])
+            s = _storages(node_value(o.as_proxy().node))
             if s & (arg_storages | captured | out_storages):
                 safe = False  # returns (a view of) an input, a closed-over value or another output
             out_storages |= s

@@ -35,6 +35,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.reinplace import _is_view_op
 
+from ..graph_utils import node_value
+
 __all__ = ["SubgraphViewOutput", "find_subgraph_view_outputs", "hoist_view_output", "hoist_subgraph_views"]
 
 
@@ -108,7 +110,7 @@ def hoist_view_output(gm: fx.GraphModule, match: SubgraphViewOutput) -> fx.Node:
     for target, rest, kwargs in match.chain:
         with graph.inserting_after(anchor):
             view = graph.call_function(target, (value, *rest), dict(kwargs))
-        source = value.meta.get("val")
+        source = node_value(value)
         if isinstance(source, torch.Tensor):
             # the fake value of the view, for Inductor's lowering
             view.meta["val"] = target(source, *rest, **dict(kwargs))

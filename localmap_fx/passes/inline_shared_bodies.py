@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any
 
 import torch.fx as fx
 
-from ..graph_utils import CUSTOM, fetch_attr
+from ..graph_utils import CUSTOM, fetch_attr, subgraph_attr
 from ..region import find_regions
 from .outline_regions import shared_body_call
 
@@ -51,9 +52,10 @@ def inline_shared_call(sc: SharedCall) -> None:
     """Copy the called subgraph's nodes in place of ``sc.call``."""
     owner, call = sc.owner, sc.call
     graph = call.graph
-    inner: fx.GraphModule = fetch_attr(owner, call.args[0].target)
+    attr = subgraph_attr(call)
+    inner: fx.GraphModule = fetch_attr(owner, attr.target)
     custom = dict(call.meta.get(CUSTOM) or {})
-    env: dict[fx.Node, fx.Node] = {}
+    env: dict[fx.Node, Any] = {}
     placeholders = [n for n in inner.graph.nodes if n.op == "placeholder"]
     for ph, operand in zip(placeholders, call.args[2:]):
         env[ph] = operand
@@ -66,7 +68,7 @@ def inline_shared_call(sc: SharedCall) -> None:
                 results = tuple(env[a] for a in n.args[0])
                 continue
             if n.op == "get_attr":
-                name = f"{call.args[0].target}_{n.target}".replace(".", "_")
+                name = f"{attr.target}_{n.target}".replace(".", "_")
                 setattr(owner, name, fetch_attr(inner, n.target))
                 copy = graph.get_attr(name)
                 copy.meta = dict(n.meta)
@@ -77,9 +79,11 @@ def inline_shared_call(sc: SharedCall) -> None:
     for user in list(call.users):
         if user.target is not operator.getitem:
             raise AssertionError(f"{user.name} uses invoke_subgraph {call.name} other than by index")
-        user.replace_all_uses_with(results[user.args[1]])
+        index = user.args[1]
+        if not isinstance(index, int):
+            raise AssertionError(f"{user.name} indexes invoke_subgraph {call.name} with {index!r}")
+        user.replace_all_uses_with(results[index])
         graph.erase_node(user)
-    attr = call.args[0]
     graph.erase_node(call)
     if not attr.users:
         graph.erase_node(attr)

@@ -32,7 +32,7 @@ import re
 import torch
 import torch.fx as fx
 
-from ..graph_utils import fetch_attr
+from ..graph_utils import fetch_attr, getitem_users, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions
 
@@ -152,7 +152,7 @@ def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:
         shared = shared_body_call(region)
         if shared is not None and not region.scope:
             # Dynamo already checked it (no aliasing, mutation or graph break)
-            inner = fetch_attr(region.owner or gm, shared.args[0].target)
+            inner = fetch_attr(region.owner or gm, subgraph_attr(shared).target)
             matches.append(OutlineMatch(region, _structural_key(inner), None, shared))
             continue
         reason = _skip_reason(region)
@@ -202,11 +202,18 @@ def adopt_shared_call(gm: fx.GraphModule, match: OutlineMatch, sub_name: str, id
     under ``identifier``; inputs are the call's operands in order.
     """
     region, call = match.region, match.shared_call
-    call.args[0].target = sub_name
-    call.args = (call.args[0], identifier, *call.args[2:])
+    if call is None:
+        raise AssertionError(f"region {region.spec.func} has no shared call to adopt")
+    attr = subgraph_attr(call)
+    attr.target = sub_name
+    call.args = (attr, identifier, *call.args[2:])
     arg_of = {i.node: i for i in region.inputs}
-    inputs = [arg_of.get(a) or RegionInput("captured", None, a) for a in call.args[2:]]
-    getters = {n.args[1]: n for n in call.users if n.target is operator.getitem}
+    inputs = []
+    for a in call.args[2:]:
+        if not isinstance(a, fx.Node):
+            raise AssertionError(f"invoke_subgraph {call.name} has a non-node operand {a!r}")
+        inputs.append(arg_of.get(a) or RegionInput("captured", None, a))
+    getters = getitem_users(call)
     call.meta[META_REGION] = {
         "spec": region.spec,
         "inputs": inputs,
@@ -228,7 +235,7 @@ def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
             name = f"localmap_fx_body_{n_sub}"
             n_sub += 1
             if match.shared_call is not None:
-                gm.add_submodule(name, fetch_attr(gm, match.shared_call.args[0].target))
+                gm.add_submodule(name, fetch_attr(gm, subgraph_attr(match.shared_call).target))
             else:
                 gm.add_submodule(name, match.region.subgraph)
             # identifiers become module names in AOT graphs: keep them identifiers
@@ -236,7 +243,7 @@ def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
             by_key[match.key] = (name, f"{name}_{func}")
         name, identifier = by_key[match.key]
         if match.shared_call is not None:
-            dynamo_names.add(match.shared_call.args[0].target)
+            dynamo_names.add(str(subgraph_attr(match.shared_call).target))
             adopt_shared_call(gm, match, name, identifier)
         else:
             outline_region(gm, match, name, identifier)
