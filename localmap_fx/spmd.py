@@ -322,8 +322,8 @@ class _CheckingWithEntry:
 
     def __init__(self, entry: tuple) -> None:
         self.entry = entry
-        self.tc = None
-        self.rules = None
+        self.tc: Any = None  # spmd_types' checker, entered in __enter__
+        self.rules: Any = None  # our functional-collective rules (spmd_rules)
 
     def __enter__(self):
         from spmd_types._checker import typecheck

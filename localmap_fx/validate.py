@@ -64,7 +64,7 @@ def check_in_count(in_placements: Sequence | None, n_flat: int) -> None:
 
 
 def check_dtensor_in_spec(
-    arg: DTensor, idx: int, spec: Any, redistribute_inputs: bool
+    arg: DTensor | Described, idx: int, spec: Any, redistribute_inputs: bool
 ) -> bool:
     """Check a DTensor argument against its in_placements entry.
 
@@ -92,7 +92,7 @@ def check_dtensor_in_spec(
     return False
 
 
-def check_dtensor_grad_spec(arg: DTensor, idx: int, spec: Any) -> tuple:
+def check_dtensor_grad_spec(arg: DTensor | Described, idx: int, spec: Any) -> tuple:
     if spec is None:
         raise AssertionError(
             f"DTensor input {arg} expects in grad placements but received {spec}!"
@@ -311,16 +311,19 @@ def _plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs
     """What to do with one flattened argument (see plan_inputs); raises if bad."""
     arg = described(desc)
     if arg.kind == "dtensor":
+        mesh_ndim, ndim = arg.mesh_ndim, arg.ndim
+        if mesh_ndim is None or ndim is None:
+            raise AssertionError(f"the description of DTensor argument {idx} lacks its ndim")
         target = None
         if in_placements is not None:
             spec = in_placements[idx]
             if check_dtensor_in_spec(arg, idx, spec, redistribute_inputs):
-                check_redistribute_target(spec, idx, arg.mesh_ndim, arg.ndim)
+                check_redistribute_target(spec, idx, mesh_ndim, ndim)
                 target = as_placements(spec)
         grad = None
         if in_grad_placements is not None:
             grad = check_dtensor_grad_spec(arg, idx, in_grad_placements[idx])
-            check_grad_spec_fits(grad, idx, arg.mesh_ndim, arg.ndim)
+            check_grad_spec_fits(grad, idx, mesh_ndim, ndim)
         return (target, grad)
     if in_placements is not None and arg.kind != "tensor":
         check_non_tensor_input(arg, idx, in_placements[idx])
