@@ -71,13 +71,16 @@ class BackendOptions:
     def passes(self) -> list[Pass]:
         from .passes.fuse_boundaries import fuse_boundaries
 
+        from .passes.inline_shared_bodies import inline_nested_shared_bodies, inline_shared_bodies
+
         ps: list[Pass] = []
+        # bodies Dynamo traced once and shared (localmap_fx.reuse): outlined
+        # (adopted) at the top level, inline elsewhere
         if self.outline:
+            ps.append(inline_nested_shared_bodies)
             ps.append(outline_regions)
         else:
-            from .passes.inline_shared_bodies import inline_shared_bodies
-
-            ps.append(inline_shared_bodies)  # bodies Dynamo shared (localmap_fx.reuse)
+            ps.append(inline_shared_bodies)
         ps.append(_lower_with(self.typecheck))
         if self.fuse_boundaries:
             ps.append(fuse_boundaries)
