@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import argtree, validate
 from ._pytree import flatten_args
-from .eager import call_eager
+from .eager import EagerPlan, call_eager
 from .region import spec_annotation
 
 __all__ = ["local_map", "LocalMap"]
@@ -119,7 +119,7 @@ class LocalMap:
             spmd_types=spmd_types,
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
-        self._eager_plan = None
+        self._eager_plan: EagerPlan | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():

@@ -55,6 +55,8 @@ __all__ = [
     "META_REGION_ID",
     "spec_annotation",
     "placements_str",
+    "role_of",
+    "index_of",
 ]
 
 META_SPEC = "localmap_fx.spec"
@@ -137,7 +139,7 @@ def placements_str(placements: Sequence[Placement] | None) -> str:
     for p in placements:
         name = type(p).__name__
         if name == "Shard":
-            parts.append(f"S({p.dim})")
+            parts.append(f"S({getattr(p, 'dim', '?')})")
         elif name == "Replicate":
             parts.append("R")
         elif name == "Partial":
@@ -217,6 +219,14 @@ class Region:
     scope: str = ""
 
 
+def index_of(node: fx.Node) -> int:
+    """``META_INDEX`` of an enter or exit node (argument or output index)."""
+    idx = custom_meta(node).get(META_INDEX)
+    if not isinstance(idx, int):
+        raise AssertionError(f"boundary node {node.name} has no {META_INDEX}")
+    return idx
+
+
 def role_of(node: fx.Node) -> str | None:
     if node.op in ("placeholder", "output"):
         return None
@@ -256,11 +266,11 @@ def build_spec(ann: dict, enter, body, exits, mesh: DeviceMesh | None = None) ->
     )
 
 
-def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
+def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
     """Split annotated nodes into per-call runs (enter* body* exit*)."""
-    runs: list[tuple[dict, list[fx.Node]]] = []
+    runs: list[tuple[dict | None, list[fx.Node]]] = []
     cur: list[fx.Node] = []
-    cur_ann = None
+    cur_ann: dict | None = None
     last_role = None
     for node in gm.graph.nodes:
         role = role_of(node)
@@ -352,8 +362,9 @@ def _extract(
     owner = torch.nn.Module()
     for n in body:
         if n.op == "get_attr":
-            setattr(owner, n.target.replace(".", "_"), fetch_attr(gm, n.target))
-            env[n] = sub.get_attr(n.target.replace(".", "_"))
+            local_name = str(n.target).replace(".", "_")
+            setattr(owner, local_name, fetch_attr(gm, n.target))
+            env[n] = sub.get_attr(local_name)
             env[n].meta = dict(n.meta)
             continue
         env[n] = sub.node_copy(n, lambda x: env[x])
@@ -413,7 +424,10 @@ def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:
             enter = [n for n in nodes if role_of(n) == "enter"]
             exits = [n for n in nodes if role_of(n) == "exit"]
             body = [n for n in nodes if n not in enter and n not in exits]
-            sub = fetch_attr(gm, node.args[0].target)
+            body_attr = node.args[0]
+            if not isinstance(body_attr, fx.Node):
+                raise AssertionError(f"outlined region {node.name} has no subgraph attribute")
+            sub = fetch_attr(gm, body_attr.target)
             regions.append(
                 Region(
                     node=node,

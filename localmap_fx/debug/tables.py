@@ -31,7 +31,7 @@ from ..graph_utils import (
     mesh_dim_names,
     node_value,
 )
-from ..region import META_INDEX, META_LOWERED, META_PLAN, Region, find_regions, placements_str
+from ..region import META_INDEX, META_LOWERED, META_PLAN, Region, find_regions, index_of, placements_str
 from .formatting import tensor_text
 
 __all__ = [
@@ -181,7 +181,7 @@ def exit_info(region: Region) -> dict[int, dict]:
     for node in region.exit_nodes:
         if not is_from_local(node):
             continue
-        j = custom_meta(node).get(META_INDEX)
+        j = index_of(node)
         val = node_value(node)
         grad = node.kwargs.get("grad_placements")
         out[j] = {
@@ -207,7 +207,7 @@ def region_rows(gm: fx.GraphModule, regions: Sequence[Region] | None = None) -> 
         inputs = []
         for i in region.inputs:
             if i.kind == "arg":
-                e = enter.get(i.index, {})
+                e = enter.get(i.index, {}) if i.index is not None else {}
                 inputs.append(
                     {
                         "arg": i.index,
@@ -224,11 +224,11 @@ def region_rows(gm: fx.GraphModule, regions: Sequence[Region] | None = None) -> 
                 )
         outputs = []
         for j, spec_j in enumerate(spec.out_placements):
-            e = exits.get(j)
-            if e is None:
+            ex = exits.get(j)
+            if ex is None:
                 outputs.append({"index": j, "placements": placements_text(spec_j), "grad": None, "local": None})
             else:
-                outputs.append({"index": j, **e})
+                outputs.append({"index": j, **ex})
         rows.append(
             {
                 "id": f"r{k}",

@@ -46,7 +46,7 @@ def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
             continue
         g_in = node.kwargs.get("grad_placements")
         g_out = src.kwargs.get("grad_placements")
-        if g_in is None or g_out is None or tuple(g_in) != tuple(g_out):
+        if not (isinstance(g_in, (list, tuple)) and isinstance(g_out, (list, tuple))) or tuple(g_in) != tuple(g_out):
             continue
         local, dst = node_value(src.args[0]), node_value(node)
         if local is None or dst is None or local.device != dst.device or local.dtype != dst.dtype:
@@ -57,7 +57,10 @@ def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
 
 def remove_round_trip(gm: fx.GraphModule, rt: RoundTrip) -> None:
     graph = rt.to_local.graph  # gm's graph or a nested subgraph's
-    rt.to_local.replace_all_uses_with(rt.from_local.args[0])
+    local = rt.from_local.args[0]
+    if not isinstance(local, fx.Node):
+        raise AssertionError(f"from_local {rt.from_local.name} has no local tensor node")
+    rt.to_local.replace_all_uses_with(local)
     graph.erase_node(rt.to_local)
     if not rt.from_local.users:
         graph.erase_node(rt.from_local)

@@ -91,7 +91,7 @@ def _arg_repr(a, env):
 def _structural_key(gm: fx.GraphModule) -> tuple:
     """Equal keys mean the two bodies compute the same thing on same-shaped inputs."""
     env: dict[fx.Node, tuple] = {}
-    parts = []
+    parts: list[tuple] = []
     for i, n in enumerate(gm.graph.nodes):
         env[n] = ("n", i)
         if n.op == "placeholder":
@@ -119,7 +119,7 @@ def _skip_reason(region: Region) -> str | None:
     if not region.body_nodes:
         return "empty body"
     inputs = [i.node for i in region.inputs]
-    in_storages = {}
+    in_storages: dict[object, str] = {}
     for n in inputs:
         v = _val(n)
         if isinstance(v, torch.Tensor):
@@ -136,8 +136,9 @@ def _skip_reason(region: Region) -> str | None:
     input_set = set(inputs)
     for n in region.body_nodes:
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        if name.endswith("_") and not name.startswith("_") and n.args and n.args[0] in input_set:
-            return f"mutates input {n.args[0].name} in place ({name})"
+        first = n.args[0] if n.args else None
+        if name.endswith("_") and not name.startswith("_") and isinstance(first, fx.Node) and first in input_set:
+            return f"mutates input {first.name} in place ({name})"
         if n.op == "call_function" and n.target is operator.setitem:
             return "mutates an input with setitem"
     return None
