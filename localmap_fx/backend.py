@@ -70,7 +70,6 @@ class BackendOptions:
 
     def passes(self) -> list[Pass]:
         from .passes.fuse_boundaries import fuse_boundaries
-
         from .passes.inline_shared_bodies import inline_nested_shared_bodies, inline_shared_bodies
 
         ps: list[Pass] = []
