@@ -70,13 +70,12 @@ class BackendOptions:
 
     def passes(self) -> list[Pass]:
         from .passes.fuse_boundaries import fuse_boundaries
-        from .passes.inline_shared_bodies import inline_nested_shared_bodies, inline_shared_bodies
+        from .passes.inline_shared_bodies import inline_shared_bodies
 
         ps: list[Pass] = []
-        # bodies Dynamo traced once and shared (localmap_fx.reuse): outlined
-        # (adopted) at the top level, inline elsewhere
+        # bodies Dynamo traced once and shared (localmap_fx.reuse) are adopted
+        # by outline_regions at the top level, inlined elsewhere
         if self.outline:
-            ps.append(inline_nested_shared_bodies)
             ps.append(outline_regions)
         else:
             ps.append(inline_shared_bodies)

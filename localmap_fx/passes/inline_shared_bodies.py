@@ -25,8 +25,7 @@ import operator
 import torch.fx as fx
 
 from ..graph_utils import CUSTOM, fetch_attr
-from ..region import find_regions
-from .outline_regions import shared_body_call
+from ..region import find_regions, shared_body_call
 
 __all__ = [
     "SharedCall",
@@ -100,7 +99,7 @@ def inline_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
 def inline_nested_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
     """Inline the shared bodies of regions inside nested subgraphs only.
 
-    Runs before ``outline_regions``, which keeps those regions inline: an
+    ``outline_regions`` runs it first, as it keeps those regions inline: an
     ``invoke_subgraph`` inside a checkpoint body gave wrong gradients with
     inductor (torch 2.14.1, 2 gloo ranks; aot_eager was right), see
     tests/test_reuse_gloo.py.
