@@ -70,14 +70,15 @@ class BackendOptions:
 
     def passes(self) -> list[Pass]:
         from .passes.fuse_boundaries import fuse_boundaries
+        from .passes.inline_shared_bodies import inline_shared_bodies
 
         ps: list[Pass] = []
+        # bodies Dynamo traced once and shared (localmap_fx.reuse) are adopted
+        # by outline_regions at the top level, inlined elsewhere
         if self.outline:
             ps.append(outline_regions)
         else:
-            from .passes.inline_shared_bodies import inline_shared_bodies
-
-            ps.append(inline_shared_bodies)  # bodies Dynamo shared (localmap_fx.reuse)
+            ps.append(inline_shared_bodies)
         ps.append(_lower_with(self.typecheck))
         if self.fuse_boundaries:
             ps.append(fuse_boundaries)

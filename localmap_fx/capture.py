@@ -19,7 +19,10 @@ Note: [Why capture inlines the body instead of using invoke_subgraph]
     break inside.  Tracing the body inline and marking its nodes has none of
     those limits; :func:`localmap_fx.find_regions` groups the marked nodes
     back into regions, and the ``outline_regions`` pass turns repeated bodies
-    into one shared ``invoke_subgraph`` so they are compiled once.
+    into one shared ``invoke_subgraph`` so they are compiled once.  Only a
+    *repeated* call whose first call (inline) proved it safe goes through
+    ``invoke_subgraph``, so that Dynamo traces it once
+    (:mod:`localmap_fx.reuse`, Note: [When a call is not shared]).
 
 Note: [spmd_types under compile]
     The spmd_types checker cannot run inside Dynamo (process groups are opaque

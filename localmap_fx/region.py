@@ -46,6 +46,7 @@ __all__ = [
     "Region",
     "find_regions",
     "subgraph_calls",
+    "shared_body_call",
     "META_SPEC",
     "META_ROLE",
     "META_INDEX",
@@ -464,3 +465,23 @@ def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:
             )
         )
     return regions
+
+
+def shared_body_call(region: Region) -> fx.Node | None:
+    """The ``invoke_subgraph`` node when the body is exactly one Dynamo-made call.
+
+    (Plus its ``get_attr`` and ``getitem`` nodes.)  Capture makes such bodies
+    for repeated calls (:mod:`localmap_fx.reuse`).
+    """
+    if region.outlined:
+        return None
+    calls = [n for n in region.body_nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    if len(calls) != 1:
+        return None
+    call = calls[0]
+    for n in region.body_nodes:
+        if n is call or (n.op == "get_attr" and n is call.args[0]):
+            continue
+        if not (n.op == "call_function" and n.target is operator.getitem and n.args[0] is call):
+            return None
+    return call

@@ -252,7 +252,9 @@ def _lookup(ctx) -> None:
             )
         elif verdict.safe and func is not None and _disjoint(fakes, verdict.captured):
             decision = _shared_body_name(key, func)
-    _DECISIONS.append(decision)
+    # one slot, overwritten by every lookup: run_body reads it right after
+    # (a restarted trace reruns the lookup first), so nothing stale survives
+    _DECISIONS[:] = [decision]
 
 
 def _probe_end(ctx) -> None:

@@ -242,3 +242,34 @@ def test_torch_cond_over_dtensor_code_fails_in_torch_itself():
     x, w = _inputs()
     with pytest.raises(Exception, match="can only be of"):
         torch.compile(fn, backend="eager", fullgraph=True)(torch.tensor(True), x, w)
+
+
+def test_repeated_regions_under_checkpoint_share_then_inline():
+    """Dynamo traces the repeated body once inside the checkpoint; the backend
+    inlines it there (outline keeps nested regions inline) and finds every region."""
+    layer = localmap_fx.local_map(
+        lambda x, w: torch.tanh(x @ w) + x, out_placements=[Shard(0)], in_placements=([Shard(0)], [Replicate()])
+    )
+
+    def block(x, *ws):
+        for w in ws:
+            x = layer(x, w)
+        return x
+
+    def fn(x, *ws):
+        return checkpoint(block, x, *ws, use_reentrant=False).redistribute(x.device_mesh, [Replicate()]).sum()
+
+    g = torch.Generator().manual_seed(0)
+    x = distribute_tensor(torch.randn(8, 8, generator=g), mesh_1d(), [Shard(0)]).requires_grad_()
+    ws = [distribute_tensor(torch.randn(8, 8, generator=g), mesh_1d(), [Replicate()]).requires_grad_() for _ in range(4)]
+    rec = Recorder("aot_eager")
+    torch.compile(fn, backend=rec.backend, fullgraph=True)(x, *ws).backward()
+    body = rec.stage("captured").wrap_body_0
+    shared = [n for n in body.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(shared) == 3 and len({n.args[0].target for n in shared}) in (1, 3)
+    assert len({id(getattr(body, n.args[0].target)) for n in shared}) == 1
+    for stage in ("captured", "outline_regions", "fuse_boundaries"):
+        regions = localmap_fx.find_regions(rec.stage(stage))
+        assert len(regions) == 4 and {r.scope for r in regions} == {"wrap_body_0"}, stage
+    final = rec.stage("fuse_boundaries").wrap_body_0
+    assert not any(n.target is torch.ops.higher_order.invoke_subgraph for n in final.graph.nodes)

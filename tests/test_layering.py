@@ -27,7 +27,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.backend",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compile_pieces"),
     ("localmap_fx.passes",),
-    ("localmap_fx.passes.inline_shared_bodies",),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
@@ -43,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.debug.compare",
         "localmap_fx.debug.draw",
         "localmap_fx.lowering.boundaries",
+        "localmap_fx.passes.inline_shared_bodies",
     ),
     (
         "localmap_fx.eager",

@@ -26,10 +26,15 @@ from typing import Any
 import torch.fx as fx
 
 from ..graph_utils import CUSTOM, fetch_attr, subgraph_attr
-from ..region import find_regions
-from .outline_regions import shared_body_call
+from ..region import find_regions, shared_body_call
 
-__all__ = ["SharedCall", "find_shared_calls", "inline_shared_call", "inline_shared_bodies"]
+__all__ = [
+    "SharedCall",
+    "find_shared_calls",
+    "inline_shared_call",
+    "inline_shared_bodies",
+    "inline_nested_shared_bodies",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +43,13 @@ class SharedCall:
     call: fx.Node
 
 
-def find_shared_calls(gm: fx.GraphModule) -> list[SharedCall]:
-    """Region bodies that are one Dynamo-made ``invoke_subgraph`` (any nesting level)."""
+def find_shared_calls(gm: fx.GraphModule, nested_only: bool = False) -> list[SharedCall]:
+    """Region bodies that are one Dynamo-made ``invoke_subgraph`` (any nesting
+    level; only inside nested subgraphs with ``nested_only``)."""
     out = []
     for region in find_regions(gm):
         call = shared_body_call(region)
-        if call is not None:
+        if call is not None and (region.scope or not nested_only):
             out.append(SharedCall(region.owner or gm, call))
     return out
 
@@ -91,7 +97,22 @@ def inline_shared_call(sc: SharedCall) -> None:
 
 def inline_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
     """Inline every shared region body (see module docstring)."""
-    for sc in find_shared_calls(gm):
+    return _inline(gm, nested_only=False)
+
+
+def inline_nested_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inline the shared bodies of regions inside nested subgraphs only.
+
+    ``outline_regions`` runs it first, as it keeps those regions inline: an
+    ``invoke_subgraph`` inside a checkpoint body gave wrong gradients with
+    inductor (torch 2.14.1, 2 gloo ranks; aot_eager was right), see
+    tests/test_reuse_gloo.py.
+    """
+    return _inline(gm, nested_only=True)
+
+
+def _inline(gm: fx.GraphModule, nested_only: bool) -> fx.GraphModule:
+    for sc in find_shared_calls(gm, nested_only):
         inline_shared_call(sc)
     for m in gm.modules():
         if isinstance(m, fx.GraphModule):

@@ -34,7 +34,8 @@ import torch.fx as fx
 
 from ..graph_utils import fetch_attr, getitem_users, subgraph_attr
 from ..graph_utils import node_value as _val
-from ..region import META_REGION, Region, RegionInput, find_regions
+from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
+from .inline_shared_bodies import inline_nested_shared_bodies
 
 __all__ = ["OutlineMatch", "find_outline_matches", "outline_region", "outline_regions"]
 
@@ -47,26 +48,6 @@ class OutlineMatch:
     # the invoke_subgraph Dynamo already made of the body (a call that
     # reused a traced body, see localmap_fx.reuse); adopted, not re-wrapped
     shared_call: fx.Node | None = None
-
-
-def shared_body_call(region: Region) -> fx.Node | None:
-    """The ``invoke_subgraph`` node when the body is exactly one Dynamo-made call.
-
-    (Plus its ``get_attr`` and ``getitem`` nodes.)  Capture makes such bodies
-    for repeated calls (:mod:`localmap_fx.reuse`).
-    """
-    if region.outlined:
-        return None
-    calls = [n for n in region.body_nodes if n.target is torch.ops.higher_order.invoke_subgraph]
-    if len(calls) != 1:
-        return None
-    call = calls[0]
-    for n in region.body_nodes:
-        if n is call or (n.op == "get_attr" and n is call.args[0]):
-            continue
-        if not (n.op == "call_function" and n.target is operator.getitem and n.args[0] is call):
-            return None
-    return call
 
 
 def _storage_key(t):
@@ -224,7 +205,12 @@ def adopt_shared_call(gm: fx.GraphModule, match: OutlineMatch, sub_name: str, id
 
 
 def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Outline every region body that can be; identical bodies share one subgraph."""
+    """Outline every region body that can be; identical bodies share one subgraph.
+
+    Shared bodies inside nested subgraphs are inlined first (they stay
+    inline there, see :func:`inline_nested_shared_bodies`).
+    """
+    gm = inline_nested_shared_bodies(gm)
     by_key: dict[tuple, tuple[str, str]] = {}
     dynamo_names: set[str] = set()
     n_sub = sum(1 for name, _ in gm.named_children() if name.startswith("localmap_fx_body_"))
