@@ -115,6 +115,7 @@ class LocalMap:
             device_mesh=device_mesh,
             redistribute_inputs=redistribute_inputs,
             spmd_types=spmd_types,
+            body_key=_register_body(func) if spmd_types else None,
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan = None
@@ -131,6 +132,12 @@ class LocalMap:
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+def _register_body(func: Callable) -> int | None:
+    from .lowering.functions import register_body
+
+    return register_body(func)
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:

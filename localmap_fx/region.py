@@ -78,6 +78,7 @@ def spec_annotation(
     device_mesh: DeviceMesh | None,
     redistribute_inputs: bool,
     spmd_types: bool,
+    body_key: int | None = None,
 ) -> dict:
     """The constant dict capture puts in ``node.meta["custom"]``.
 
@@ -104,6 +105,8 @@ def spec_annotation(
             "redistribute_inputs": bool(redistribute_inputs),
             "spmd_types": bool(spmd_types),
             "has_mesh": device_mesh is not None,
+            # spmd_types=True: finds the body at compile time (lowering.functions)
+            "body": body_key,
         }
     }
 
@@ -143,6 +146,7 @@ class RegionSpec:
     call_function: str
     func_site: str
     mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, hash=False)
+    body_key: int | None = dataclasses.field(default=None, compare=False, hash=False)
 
     def text(self) -> str:
         ins = "None" if self.in_placements is None else ", ".join(
@@ -228,6 +232,7 @@ def build_spec(ann: dict, enter, body, exits, mesh: DeviceMesh | None = None) ->
         call_function=fn,
         func_site=ann["func_site"],
         mesh=mesh,
+        body_key=ann.get("body"),
     )
 
 

@@ -65,6 +65,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._ops import OpOverload
 
 import spmd_types as spmd
@@ -514,8 +515,33 @@ class _FuncolRules(torch.overrides.TorchFunctionMode):
         except TypeError:  # unhashable callable: not an op of ours
             handler = None
         if handler is None or not spmd.is_type_checking():
-            return func(*args, **kwargs)
+            return _next_mode(func, args, kwargs)
         return handler(func, args, kwargs)
+
+
+def _next_mode(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)`` as the mode below this one would get it.
+
+    Note: [Calls that do not re-dispatch]
+        Torch pops a mode off the stack while its ``__torch_function__``
+        runs, so calling ``func`` from here normally reaches the next mode
+        (spmd_types' checker) because ``func`` checks for torch-function
+        overrides again.  Not every ``func`` does: for
+        ``torch.autograd.Function.apply``, spmd_types routes the call through
+        ``handle_torch_function`` itself and hands modes the *original*
+        ``apply``, which runs the Function without asking any mode.  Calling
+        it would skip spmd_types' rules for Functions
+        (``register_local_autograd_function``, ``typecheck_forward``,
+        ``spmd_typecheck``, unregistered Functions under strict checking).
+        So every call that is not ours is dispatched to the next mode exactly
+        as torch would have dispatched it had this mode not been there.
+    """
+    if torch.overrides._is_torch_function_mode_enabled():
+        relevant = tuple(
+            a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+        )
+        return torch.overrides.handle_torch_function(func, relevant, *args, **kwargs)
+    return func(*args, **kwargs)
 
 
 def rules() -> torch.overrides.TorchFunctionMode:

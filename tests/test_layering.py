@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",
+        "localmap_fx.lowering.functions",
         "localmap_fx._pytree",
         "localmap_fx.errors",
         "localmap_fx.shapes",

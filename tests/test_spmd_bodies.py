@@ -87,6 +87,50 @@ def _group_name(mesh, dim=0):
     return mesh.get_group(dim).group_name
 
 
+# --- torch.autograd.Function bodies: spmd_types types them by class ---------
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+
+@spmd.register_local_autograd_function
+class LocalMatmul(_Matmul):
+    """Registered as local: typed like an element-wise op (V and I do not mix)."""
+
+
+class UnregisteredMatmul(_Matmul):
+    """Not registered: rejected under strict checking."""
+
+
+@spmd.register_local_autograd_function
+class LocalScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class TypedRowwiseMatmul(_Matmul):
+    """Declares its output type itself (spmd_typecheck): a sharded contraction is P."""
+
+    @staticmethod
+    def spmd_typecheck(out, *, x, w):
+        spmd.rules.ignore(x, w)
+        spmd.assert_type(out, {a: spmd.P for a in spmd.get_local_type(x)})
+
+
 CASES: dict[str, Case] = {
     # --- plain bodies: spmd_types' own rules ---------------------------------
     "elementwise_shard": Case(
@@ -319,6 +363,27 @@ CASES: dict[str, Case] = {
     "2d_partial_relu": Case(
         2, lambda m: lambda x: torch.relu(x), (((8, 4), (S0, P)),), [S0, P],
         lambda n, x: torch.relu(x), error="non-linear",
+    ),
+    # autograd.Function bodies: spmd_types' verdict by class (issue #12)
+    "fn_local_scale": Case(
+        1, lambda m: lambda x: LocalScale.apply(x), (((8, 4), (S0,)),), [S0],
+        lambda n, x: x * 2,
+    ),
+    "fn_local_dp_matmul_invariant_weight": Case(
+        # the weight's grad is declared Replicate (I) but each rank computes
+        # a partial sum of it: spmd_types rejects V mixed with I
+        1, lambda m: lambda x, w: LocalMatmul.apply(x, w),
+        (((8, 4), (S0,)), ((4, 4), (R,))), [S0], lambda n, x, w: x @ w,
+        in_grads=((S0,), (R,)), error="Invariant type",
+    ),
+    "fn_unregistered_dp_matmul": Case(
+        1, lambda m: lambda x, w: UnregisteredMatmul.apply(x, w),
+        (((8, 4), (S0,)), ((4, 4), (R,))), [S0], lambda n, x, w: x @ w,
+        in_grads=((S0,), (R,)), error="is not registered for SPMD type checking",
+    ),
+    "fn_typed_rowwise_partial": Case(
+        1, lambda m: lambda x, w: TypedRowwiseMatmul.apply(x, w),
+        (((4, 8), (S1,)), ((8, 4), (S0,))), [P], lambda n, x, w: x @ w,
     ),
 }
 
