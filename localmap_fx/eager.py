@@ -277,6 +277,15 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
     if len(flat_out) != len(out_specs):
         validate.check_out_count(len(flat_out), out_specs)
 
+    for o in flat_out:
+        if isinstance(o, AsyncCollectiveTensor):
+            # A collective's result returned as is: wait for it now, so that
+            # an output nobody reads (or one rejected below) leaves no
+            # unwaited work behind (torch warns "there are still N unwaited
+            # collective calls" at exit).  The wrapper stays: wait() marks it
+            # completed.
+            o.wait()
+
     grad_specs = None
     if lm.spmd_types:
         grad_specs = plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, out_specs)
