@@ -152,8 +152,9 @@ def _param_names(func: Callable) -> tuple[str, ...]:
 
 
 def _maybe_nested(in_placements: Any, args: tuple) -> bool:
-    """Cheap pre-test: only a tuple as long as ``args`` can be the mirrored form."""
-    if type(in_placements) is not tuple or len(in_placements) != len(args):
+    """Cheap pre-test: only a tuple or list as long as ``args`` can be the mirrored form."""
+    # a list mirrors the arguments as a tuple does (capture reads both alike)
+    if type(in_placements) not in (tuple, list) or len(in_placements) != len(args):
         return False
     if not any(type(a) in (tuple, list, dict) for a in args):
         return False  # every argument is one leaf: the flat form applies

@@ -613,7 +613,8 @@ def test_torch_local_map_differs_only_on_funcol(name):
         theirs = e
     same = (ours is None and theirs is None) or (
         ours is not None and theirs is not None and type(ours) is type(theirs)
-        and str(ours) == str(theirs)
+        # ours: torch's text, then localmap_fx's hint (mesh dim names, fix)
+        and str(ours).startswith(str(theirs)) and "[localmap_fx]" in str(ours)
     )
     if not case.funcol:
         assert same, (ours, theirs)

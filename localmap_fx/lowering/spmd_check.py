@@ -153,6 +153,8 @@ def out_grad_placements_for(region: Region) -> tuple:
         )
         node = e.__dict__.pop("_localmap_fx_node", None)
         _as_eager_text(e)
+        if isinstance(e, (ValueError, spmd.spmd.SpmdTypeError)):
+            spmd.explain(e, region.spec.mesh)
         line = _body_line(node)
         if line:
             where += f"\n[localmap_fx] failing body op: {line}"
