@@ -33,6 +33,7 @@ Note: [Eager fast path]
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from weakref import ref as _weakref
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -110,6 +111,7 @@ class EagerPlan:
         # passed the per-layout checks and was evenly sharded}.  DTensor never
         # mutates a spec in place (in-place ops assign a new one), so the same
         # object means the same layout: the checks would pass again.
+        # (held weakly: a DTensorSpec holds its mesh; Note: [Caches keyed on a mesh])
         self.known_layouts: dict = {}
 
     def spmd_plan(self, lm: LocalMap, mesh):
@@ -206,7 +208,8 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                     if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
                         arg = _redistribute_checked(arg, idx, spec)
             layout = arg._spec
-            known = plan.known_layouts.get(idx) is layout
+            ref = plan.known_layouts.get(idx)
+            known = ref is not None and ref() is layout
             if in_grads is not None:
                 grad = in_grads[idx]
                 if type(grad) is not tuple:
@@ -232,7 +235,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 if _unevenly_sharded(arg):
                     uneven_in.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
                 else:
-                    plan.known_layouts[idx] = layout
+                    plan.known_layouts[idx] = _weakref(layout)
             flat_local.append(local)
         else:
             if in_specs is not None and not isinstance(arg, _Tensor):

@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.graph_utils",
         "localmap_fx.lowering.functions",
         "localmap_fx.testing.teardown",
+        "localmap_fx.meshcache",
         "localmap_fx._pytree",
         "localmap_fx.errors",
         "localmap_fx.shapes",
