@@ -685,3 +685,43 @@ def test_known_gap_gather_dim_is_not_checked():
     )
     assert eager_verdict(case, ltm=True) is None
     assert numerics_correct(case, True) == (False, "output 0 differs")
+
+
+def test_known_gap_nonlinear_on_varying_partial_sums():
+    """Row-parallel ``relu(h @ w)``: with the contraction dimension sharded,
+    each rank's ``h @ w`` is a partial sum, but local SPMD types call it V
+    (varying), and V may pass a non-linear op.  The all_reduce then sums
+    ``relu`` of the parts, not ``relu`` of the sum: the checker accepts a body
+    whose values are wrong, eagerly and compiled, and so does torch's
+    local_map (spmd_types has no rule that could see it).  Documented in
+    docs/user-guide.md, "What the SPMD checker proves"."""
+    from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+    case = Case(
+        1,
+        lambda m: lambda h, w: funcol.all_reduce(torch.relu(h @ w), "sum", (m, 0)),
+        (((4, 8), (S1,)), ((8, 4), (S0,))), [R],
+        lambda n, h, w: torch.relu(h @ w), funcol=True,
+    )
+    assert eager_verdict(case, ltm=True) is None
+    correct, why = numerics_correct(case, True)
+    assert not correct and "differs" in why, why
+    # compiled: accepted too
+    mesh = mesh_for(1)
+    inputs = [_fake_pg_dtensor(x, mesh, p, True) for x, (_, p) in zip(_globals(case), case.ins)]
+    fn = _local_map(case, mesh)
+    torch.compile(
+        lambda *a: fn(*a), backend=localmap_fx.backend("aot_eager", outline=False), fullgraph=True
+    )(*inputs)
+    # the same body with the reduction first is right
+    fixed = dataclasses.replace(
+        case, body=lambda m: lambda h, w: torch.relu(funcol.all_reduce(h @ w, "sum", (m, 0)))
+    )
+    assert eager_verdict(fixed, ltm=True) is None
+    assert numerics_correct(fixed, True) == (True, "forward and gradients match")
+    # torch's local_map(spmd_types=True) rejects both, the right one too: it
+    # does not type functional collectives (all_reduce keeps V), so this is
+    # not detection of the bug (see the funcol deviation in the user guide)
+    for c in (case, fixed):
+        with pytest.raises(ValueError, match="inferred spmd.V"):
+            _local_map(c, mesh, impl=torch_local_map)(*inputs)
