@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .backend import BackendOptions, backend
     from .lowering import lower
     from .region import Region, RegionSpec, find_regions
+    from .reuse import region_reuse
 
 __all__ = [
     "local_map",
@@ -33,6 +34,7 @@ __all__ = [
     "lower",
     "Region",
     "RegionSpec",
+    "region_reuse",
 ]
 __version__ = "0.1.0"
 
@@ -46,6 +48,7 @@ _HOME = {
     "lower": "lowering",
     "Region": "region",
     "RegionSpec": "region",
+    "region_reuse": "reuse",
 }
 
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import argtree, validate
 from ._pytree import flatten_args
-from .eager import call_eager
+from .eager import EagerPlan, call_eager
 from .region import spec_annotation
 
 __all__ = ["local_map", "LocalMap"]
@@ -109,16 +109,19 @@ class LocalMap:
         self.param_names = _param_names(func) if isinstance(in_placements, dict) else None
         self.spec_annotation = spec_annotation(
             func=func,
+            # Note: [local_map built while Dynamo traces]
+            identity=_traced_identity(func) if torch.compiler.is_compiling() else None,
             in_placements=in_placements,
             out_specs=self.out_specs,
             in_grad_placements=in_grad_placements,
             device_mesh=device_mesh,
             redistribute_inputs=redistribute_inputs,
             spmd_types=spmd_types,
-            body_key=_register_body(func) if spmd_types else None,
+            # not while Dynamo traces: the registry is Python state it cannot trace
+            body_key=_register_body(func) if spmd_types and not torch.compiler.is_compiling() else None,
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
-        self._eager_plan = None
+        self._eager_plan: EagerPlan | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -138,6 +141,23 @@ def _register_body(func: Callable) -> int | None:
     from .lowering.functions import register_body
 
     return register_body(func)
+
+
+# Note: [local_map built while Dynamo traces]
+#     Model code often writes ``local_map(region_fn, ...)(x, w)`` inside
+#     ``forward``; Dynamo then traces ``LocalMap.__init__`` too.  There
+#     ``func.__qualname__`` of a module-level function comes back as a
+#     ``getset_descriptor`` (torch 2.14.1), which is not a constant and broke
+#     the annotation.  The code object's ``co_qualname`` / ``co_filename`` are
+#     constants to Dynamo, so a traced construction names the function from
+#     them (a callable without code is named by its type).  Everything else
+#     in the annotation is placements and flags, constants already; Dynamo
+#     guards on them as usual, so later calls reuse the compiled frame.
+def _traced_identity(func: Callable) -> tuple[str, str]:
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    return type(func).__name__, "<unknown>"
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:

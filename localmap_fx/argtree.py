@@ -108,7 +108,7 @@ def resolve(in_placements: Any, paths: list, param_names: tuple | None) -> tuple
     ``param_names`` are the function's positional parameter names (needed for
     the by-name form).
     """
-    out = []
+    out: list = []
     if isinstance(in_placements, dict):
         unknown = set(in_placements) - set(param_names or ()) - {p[0] for p in paths if isinstance(p[0], str)}
         if unknown:

@@ -38,10 +38,11 @@ from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
 from . import argtree, validate
-from .errors import compile_time
-from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
+from .errors import compile_time
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from .reuse import run_body
+from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
     from .api import LocalMap
@@ -128,8 +129,11 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         return lm.func(*local_args, **kwargs)
 
     with annotate(annotation), annotate(_BODY):
-        out = lm.func(*local_args, **kwargs)
+        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
 
+    if mesh is None:
+        raise AssertionError("a region with a DTensor argument has a mesh")
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
     _check_outputs(tuple(validate.describe(o) for o in flat_out), out_specs, mesh.ndim)
@@ -140,7 +144,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             with annotate(annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
                 if uneven:
                     dt = DTensor.from_local(
-                        o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)
+                        o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)  # type: ignore[arg-type]
                     )
                 else:
                     dt = DTensor.from_local(o, mesh, spec, run_check=False)

@@ -44,8 +44,8 @@ from torch.distributed.tensor.placement_types import Placement, Shard, _StridedS
 
 from . import validate
 from .meshcache import MeshCache
-from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
+from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
     from .api import LocalMap
@@ -326,7 +326,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
                 if uneven:
                     flat_dist.append(
                         _from_local(
-                            o, mesh, spec, run_check=False, shape=shape,
+                            o, mesh, spec, run_check=False, shape=shape,  # type: ignore[arg-type]  # any int sequence
                             stride=contiguous_stride(shape), grad_placements=grad,
                         )
                     )

@@ -64,12 +64,11 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
+import spmd_types as spmd
 import torch
+from spmd_types import I, P, R, V
 import torch.utils._pytree as pytree
 from torch._ops import OpOverload
-
-import spmd_types as spmd
-from spmd_types import I, P, R, V
 
 from .graph_utils import NON_COLLECTIVE_OPS, funcol_op
 
@@ -272,7 +271,7 @@ def axis_of_group(group: Any):
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return spmd.MeshAxis.of(_resolve_process_group(group))
+        return spmd.MeshAxis.of(_resolve_process_group(group))  # type: ignore[arg-type]  # GroupName is a str NewType
     if isinstance(group, dist.ProcessGroup):
         return spmd.MeshAxis.of(group)
     raise ValueError(
@@ -345,7 +344,7 @@ def _fix_for(rule: CollectiveRule, t) -> str:
 def _type_error(msg: str) -> spmd.SpmdTypeError:
     """An ``SpmdTypeError`` of these rules (marked: see spmd_check._as_eager_text)."""
     e = spmd.SpmdTypeError(msg)
-    e._localmap_fx_rule = True
+    e.__dict__["_localmap_fx_rule"] = True
     return e
 
 

@@ -151,7 +151,10 @@ def check_dtensor_grad_spec(arg: DTensor, idx: int, spec: Any) -> tuple:
             f"\n[localmap_fx] in_grad_placements[{idx}] is None for a DTensor "
             "argument: give the placements its gradient should have."
         )
-    return _as_placements_for(spec, f"in_grad_placements[{idx}]")
+    placements = _as_placements_for(spec, f"in_grad_placements[{idx}]")
+    if placements is None:
+        raise AssertionError(f"in_grad_placements[{idx}] normalised to None")
+    return placements
 
 
 def _as_placements_for(spec: Any, where: str) -> tuple | None:
@@ -385,7 +388,7 @@ def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
     check_out_count(len(descs), out_specs)
     for idx, (desc, spec) in enumerate(zip(descs, out_specs)):
         out = described(desc)
-        if out.kind == "tensor":
+        if out.kind == "tensor" and out.ndim is not None:
             check_out_spec_fits(spec, idx, mesh_ndim, out.ndim)
             _check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":

@@ -7,6 +7,8 @@ graphs are compared with what eager runs for the same program.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from expecttest import TestCase
@@ -133,17 +135,17 @@ class GraphModule(torch.nn.Module):
         local: "f32[2, 8]" = l_s_x_.to_local(grad_placements = (Shard(dim=0),))
         local_1: "f32[8, 8]" = l_s_ws_0_.to_local(grad_placements = (Partial('sum'),))
         localmap_fx_body_0 = self.localmap_fx_body_0
-        invoke_subgraph = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_0, 'localmap_fx_body_0__layer', local, local_1)
-        getitem: "f32[2, 8]" = invoke_subgraph[0]
-        local_3: "f32[8, 8]" = l_s_ws_1_.to_local(grad_placements = (Partial('sum'),))
-        localmap_fx_body_1 = self.localmap_fx_body_0
-        invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_1, 'localmap_fx_body_0__layer', getitem, local_3)
-        getitem_1: "f32[2, 8]" = invoke_subgraph_1[0]
-        local_5: "f32[8, 8]" = l_s_ws_2_.to_local(grad_placements = (Partial('sum'),))
-        localmap_fx_body_2 = self.localmap_fx_body_0
-        invoke_subgraph_2 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_2, 'localmap_fx_body_0__layer', getitem_1, local_5)
+        invoke_subgraph_2 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_0, 'localmap_fx_body_0__layer', local, local_1)
         getitem_2: "f32[2, 8]" = invoke_subgraph_2[0]
-        dt_2: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(getitem_2, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
+        local_3: "f32[8, 8]" = l_s_ws_1_.to_local(grad_placements = (Partial('sum'),))
+        subgraph_0 = self.localmap_fx_body_0
+        invoke_subgraph = torch.ops.higher_order.invoke_subgraph(subgraph_0, 'localmap_fx_body_0__layer', getitem_2, local_3)
+        out_1: "f32[2, 8]" = invoke_subgraph[0]
+        local_5: "f32[8, 8]" = l_s_ws_2_.to_local(grad_placements = (Partial('sum'),))
+        subgraph_1 = self.localmap_fx_body_0
+        invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(subgraph_1, 'localmap_fx_body_0__layer', out_1, local_5)
+        out_2: "f32[2, 8]" = invoke_subgraph_1[0]
+        dt_2: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(out_2, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
         redistribute: "DTensor(f32[8, 8], R)" = dt_2.redistribute(l_s_x_device_mesh, [Replicate()])
         sum_1: "DTensor(f32[], R)" = redistribute.sum()
         return (sum_1,)
@@ -373,7 +375,7 @@ def test_non_fullgraph_regions_in_each_graph():
 def test_region_spec_is_frozen_and_hashable():
     rec = _compile("tp_mlp")
     spec = localmap_fx.find_regions(rec.stage("captured"))[0].spec
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.func = "other"
     assert hash(spec) == hash(localmap_fx.find_regions(rec.stage("captured"))[0].spec)
     assert spec.mesh_shape == (4,) and spec.mesh_dim_names == ("tp",)

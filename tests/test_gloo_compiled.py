@@ -40,7 +40,7 @@ def _compare_models(rank: int, world_size: int, device: str) -> dict:
     for name in MODELS_1D:
         m = MODELS[name]
 
-        def run(step):
+        def run(step, m=m):
             state = m.build(mesh, 0)
             loss = step(state)
             loss.backward()

@@ -26,6 +26,7 @@ import traceback
 
 import pytest
 import torch
+
 from localmap_fx.testing.dist import run_ranks
 
 WORLD_SIZE = 2
@@ -234,7 +235,7 @@ def test_matches_single_device(ranks, case):
         ref = res["ref"]
         ours = _get(res, case, "ours")
         torch.testing.assert_close(
-            ours["out"], ref["out"], rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank} out: {m}"
+            ours["out"], ref["out"], rtol=RTOL, atol=ATOL, msg=lambda m, rank=rank: f"rank {rank} out: {m}"
         )
         for name in PARAMS:
             torch.testing.assert_close(
@@ -242,7 +243,7 @@ def test_matches_single_device(ranks, case):
                 ref["grads"][name],
                 rtol=RTOL,
                 atol=ATOL,
-                msg=lambda m: f"rank {rank} grad of {name}: {m}",
+                msg=lambda m, rank=rank, name=name: f"rank {rank} grad of {name}: {m}",
             )
 
 

@@ -14,7 +14,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from localmap_fx.shapes import output_global_shape
-
 from localmap_fx.testing.dist import run_ranks
 
 MODES = ("eager", "compiled")

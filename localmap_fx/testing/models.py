@@ -36,7 +36,8 @@ def _rand(seed: int, *shape: int) -> torch.Tensor:
 
 def _dist(t: torch.Tensor, mesh, placements, grad=True) -> DTensor:
     d = distribute_tensor(t, mesh, placements)
-    return d.requires_grad_(grad)
+    d.requires_grad_(grad)
+    return d
 
 
 # --- tensor-parallel MLP: column-parallel then row-parallel -----------------
