@@ -71,7 +71,6 @@ def _at_compile_time(check):
 _plan_inputs = _at_compile_time(validate.plan_inputs)
 _plan_nested_inputs = _at_compile_time(validate.plan_nested_inputs)
 _check_outputs = _at_compile_time(validate.check_outputs)
-_check_input_mesh = _at_compile_time(validate.check_input_mesh)
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
@@ -109,8 +108,6 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             continue
         if mesh is None:
             mesh = arg.device_mesh
-        elif arg.device_mesh != mesh:
-            _check_input_mesh(idx, validate.mesh_text(arg.device_mesh), validate.mesh_text(mesh))
         seen_dtensor = True
         target, grad = step
         with annotate(annotation), annotate(_ENTER), annotate({META_INDEX: idx}):

@@ -197,6 +197,8 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     uneven_in: list = []  # see localmap_fx/shapes.py
     for idx, arg in enumerate(flat_args):
         if isinstance(arg, DTensor):
+            if mesh is None:
+                mesh = arg.device_mesh
             seen_dtensor = True
             if in_specs is not None:
                 spec = in_specs[idx]
@@ -205,13 +207,6 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                     # torch's error or asks for a redistribution.
                     if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
                         arg = _redistribute_checked(arg, idx, spec)
-            # after the placement checks, as capture orders them
-            if mesh is None:
-                mesh = arg.device_mesh
-            elif arg.device_mesh is not mesh and arg.device_mesh != mesh:
-                validate.check_input_mesh(
-                    idx, validate.mesh_text(arg.device_mesh), validate.mesh_text(mesh)
-                )
             layout = arg._spec
             ref = plan.known_layouts.get(idx)
             known = ref is not None and ref() is layout

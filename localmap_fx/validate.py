@@ -295,22 +295,6 @@ class Described:
     __repr__ = __str__
 
 
-def mesh_text(mesh: Any) -> str:
-    """``DeviceMesh((tp=4), 'cpu')``: the mesh as messages name it."""
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    dims = ", ".join(f"{n}={k}" for n, k in zip(names, mesh.shape))
-    return f"DeviceMesh(({dims}), {mesh.device_type!r})"
-
-
-def check_input_mesh(idx: int, arg_mesh: str, mesh: str) -> None:
-    """A DTensor argument must live on ``device_mesh`` (both given as :func:`mesh_text`)."""
-    raise ValueError(
-        f"args leaf {idx} is a DTensor on {arg_mesh} but device_mesh is {mesh}."
-        f"\n[localmap_fx] pass the argument on device_mesh (redistribute it there "
-        "first, or build it on that mesh), or give local_map the argument's mesh."
-    )
-
-
 def describe(x: Any) -> tuple:
     """A constant description of ``x`` (Dynamo passes it to real Python; see the Note above)."""
     if isinstance(x, DTensor):
