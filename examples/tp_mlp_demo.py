@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
+from localmap_fx.testing.teardown import main_guard, unwaited_collectives
 
 DIM, HIDDEN, BATCH = 16, 64, 8
 RTOL, ATOL = 1e-5, 1e-5
@@ -168,60 +169,62 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    try:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-        model = build_model(mesh)
-        x = make_input(mesh)
-        out, loss = run_step(model, x)
+    # main_guard tears the group down (see Note: [Tearing down in order])
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = build_model(mesh)
+    x = make_input(mesh)
+    out, loss = run_step(model, x)
 
-        tensors = {"x": x, **dict(model.named_parameters())}
-        # full_tensor() is a collective: every rank gathers, rank 0 compares.
-        full = {k: v.full_tensor() for k, v in tensors.items()}
-        full_grads = {k: v.grad.full_tensor() for k, v in tensors.items()}
-        full_out = out.full_tensor()
+    tensors = {"x": x, **dict(model.named_parameters())}
+    # full_tensor() is a collective: every rank gathers, rank 0 compares.
+    full = {k: v.full_tensor() for k, v in tensors.items()}
+    full_grads = {k: v.grad.full_tensor() for k, v in tensors.items()}
+    full_out = out.full_tensor()
 
-        mismatches: list[str] = []
-        if rank == 0:
-            ref = reference(full)
-            got = {"out": full_out, **{f"grad_{k}": g for k, g in full_grads.items()}}
-            lines = [
-                f"localmap_fx TP MLP demo: world_size={world_size}, backend=gloo, "
-                f"mesh={mesh.mesh.tolist()} {mesh.mesh_dim_names}"
-            ]
-            for k, v in tensors.items():
-                lines.append(
-                    f"  {k:<3} global {tuple(v.shape)!s:<9} {_fmt(v.placements):<13} "
-                    f"local {tuple(v.to_local().shape)!s:<9} grad {_fmt(v.grad.placements)}"
-                )
+    mismatches: list[str] = []
+    if rank == 0:
+        ref = reference(full)
+        got = {"out": full_out, **{f"grad_{k}": g for k, g in full_grads.items()}}
+        lines = [
+            f"localmap_fx TP MLP demo: world_size={world_size}, backend=gloo, "
+            f"mesh={mesh.mesh.tolist()} {mesh.mesh_dim_names}"
+        ]
+        for k, v in tensors.items():
             lines.append(
-                f"  out global {tuple(out.shape)} {_fmt(out.placements)}; "
-                f"loss {loss.full_tensor().item():.6f}; checksum(out) {full_out.sum().item():.6f}"
+                f"  {k:<3} global {tuple(v.shape)!s:<9} {_fmt(v.placements):<13} "
+                f"local {tuple(v.to_local().shape)!s:<9} grad {_fmt(v.grad.placements)}"
             )
-            worst = 0.0
-            for key, want in ref.items():
-                diff = (got[key] - want).abs().max().item()
-                worst = max(worst, diff)
-                if not torch.allclose(got[key], want, rtol=RTOL, atol=ATOL):
-                    mismatches.append(f"{key} (max |diff| {diff:.3g})")
-            verdict = "MISMATCH: " + ", ".join(mismatches) if mismatches else "yes"
-            lines.append(
-                f"  output and gradients match single-device math "
-                f"(rtol={RTOL}, atol={ATOL}, max |diff| {worst:.2g}): {verdict}"
-            )
-            print("\n".join(lines), flush=True)
+        lines.append(
+            f"  out global {tuple(out.shape)} {_fmt(out.placements)}; "
+            f"loss {loss.full_tensor().item():.6f}; checksum(out) {full_out.sum().item():.6f}"
+        )
+        worst = 0.0
+        for key, want in ref.items():
+            diff = (got[key] - want).abs().max().item()
+            worst = max(worst, diff)
+            if not torch.allclose(got[key], want, rtol=RTOL, atol=ATOL):
+                mismatches.append(f"{key} (max |diff| {diff:.3g})")
+        verdict = "MISMATCH: " + ", ".join(mismatches) if mismatches else "yes"
+        lines.append(
+            f"  output and gradients match single-device math "
+            f"(rtol={RTOL}, atol={ATOL}, max |diff| {worst:.2g}): {verdict}"
+        )
+        print("\n".join(lines), flush=True)
 
-        if not args.no_compile:
-            mismatches += compare_compiled(mesh, x, out, tensors, rank)
+    if not args.no_compile:
+        mismatches += compare_compiled(mesh, x, out, tensors, rank)
 
-        # Every rank exits with rank 0's verdict.
-        flag = torch.tensor([float(bool(mismatches))])
-        dist.broadcast(flag, src=0)
-        return int(flag.item() != 0)
-    finally:
-        dist.destroy_process_group()
+    leaked = unwaited_collectives()
+    if leaked:
+        print(f"rank {rank}: {leaked} collective calls never waited for", flush=True)
+        mismatches.append("unwaited collectives")
+    # Every rank exits with rank 0's verdict.
+    flag = torch.tensor([float(bool(mismatches))])
+    dist.broadcast(flag, src=0)
+    return int(flag.item() != 0)
 
 
 if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:
         sys.exit("launch with: torchrun --standalone --nproc-per-node 2 examples/tp_mlp_demo.py")
-    sys.exit(main())
+    main_guard(main)

@@ -117,6 +117,8 @@ class LocalMap:
             device_mesh=device_mesh,
             redistribute_inputs=redistribute_inputs,
             spmd_types=spmd_types,
+            # not while Dynamo traces: the registry is Python state it cannot trace
+            body_key=_register_body(func) if spmd_types and not torch.compiler.is_compiling() else None,
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan: EagerPlan | None = None
@@ -133,6 +135,12 @@ class LocalMap:
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+def _register_body(func: Callable) -> int | None:
+    from .lowering.functions import register_body
+
+    return register_body(func)
 
 
 # Note: [local_map built while Dynamo traces]
@@ -164,8 +172,9 @@ def _param_names(func: Callable) -> tuple[str, ...]:
 
 
 def _maybe_nested(in_placements: Any, args: tuple) -> bool:
-    """Cheap pre-test: only a tuple as long as ``args`` can be the mirrored form."""
-    if type(in_placements) is not tuple or len(in_placements) != len(args):
+    """Cheap pre-test: only a tuple or list as long as ``args`` can be the mirrored form."""
+    # a list mirrors the arguments as a tuple does (capture reads both alike)
+    if type(in_placements) not in (tuple, list) or len(in_placements) != len(args):
         return False
     if not any(type(a) in (tuple, list, dict) for a in args):
         return False  # every argument is one leaf: the flat form applies

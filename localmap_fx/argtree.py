@@ -94,8 +94,9 @@ def _lookup(tree: Any, full_path: Path, where: str) -> Any:
             ) from None
     if not is_spec_leaf(node):
         raise ValueError(
-            f"{where} at {path_str(full_path)} is {node!r}, not a placement spec: use "
-            "a list of Placements, or None for a non-tensor."
+            f"{where} at {path_str(full_path)} is {node!r}, not a placement spec."
+            "\n[localmap_fx] give this argument a list of Placements (one per mesh "
+            "dimension), or None for a non-tensor."
         )
     return node
 

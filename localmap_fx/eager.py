@@ -33,6 +33,7 @@ Note: [Eager fast path]
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from weakref import ref as _weakref
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -42,6 +43,7 @@ from torch.distributed.tensor._utils import assert_no_mixed_partial_types
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from . import validate
+from .meshcache import MeshCache
 from ._pytree import flatten_args, pytree, unflatten_args
 from .shapes import contiguous_stride, output_global_shape
 
@@ -102,24 +104,24 @@ class EagerPlan:
         )
         self.out_specs = lm.out_specs
         self.out_ready = tuple(_from_local_ready(s) for s in lm.out_specs)
-        # spmd_types=True: {id(mesh): (mesh, SpmdPlan)}
-        self.spmd_cache: dict = {}
+        # spmd_types=True: {mesh: SpmdPlan}, the mesh held weakly (see
+        # Note: [Caches keyed on a mesh])
+        self.spmd_cache = MeshCache()
         # {argument index: the DTensorSpec object of the last argument that
         # passed the per-layout checks and was evenly sharded}.  DTensor never
         # mutates a spec in place (in-place ops assign a new one), so the same
         # object means the same layout: the checks would pass again.
+        # (held weakly: a DTensorSpec holds its mesh; Note: [Caches keyed on a mesh])
         self.known_layouts: dict = {}
 
     def spmd_plan(self, lm: LocalMap, mesh):
         """The cached :class:`localmap_fx.spmd.SpmdPlan` for ``mesh``."""
-        hit = self.spmd_cache.get(id(mesh))
-        if hit is not None and hit[0] is mesh:
-            return hit[1]
+        plan = self.spmd_cache.get(mesh)
+        if plan is not None:
+            return plan
         from . import spmd
 
-        plan = spmd.SpmdPlan(mesh)
-        self.spmd_cache[id(mesh)] = (mesh, plan)
-        return plan
+        return self.spmd_cache.set(mesh, spmd.SpmdPlan(mesh))
 
 
 def _plan(lm: LocalMap) -> EagerPlan:
@@ -185,6 +187,8 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     in_grads = plan.in_grads
     if in_specs is not None and len(in_specs) != len(flat_args):
         validate.check_in_count(in_specs, len(flat_args))
+    if in_grads is not None and len(in_grads) != len(flat_args):
+        validate.check_grad_count(in_grads, len(flat_args))
 
     mesh = lm.device_mesh
     seen_dtensor = False
@@ -204,7 +208,8 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                     if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
                         arg = _redistribute_checked(arg, idx, spec)
             layout = arg._spec
-            known = plan.known_layouts.get(idx) is layout
+            ref = plan.known_layouts.get(idx)
+            known = ref is not None and ref() is layout
             if in_grads is not None:
                 grad = in_grads[idx]
                 if type(grad) is not tuple:
@@ -230,7 +235,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 if _unevenly_sharded(arg):
                     uneven_in.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
                 else:
-                    plan.known_layouts[idx] = layout
+                    plan.known_layouts[idx] = _weakref(layout)
             flat_local.append(local)
         else:
             if in_specs is not None and not isinstance(arg, _Tensor):
@@ -242,10 +247,18 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
 
     if lm.spmd_types and seen_dtensor:
         validate.check_spmd_types_available()
+        from . import spmd  # imported with spmd_types only when used
+
         splan = plan.spmd_plan(lm, mesh)
-        splan.annotate_inputs(flat_local, in_specs, in_grads)
-        with splan.checking():
-            out = lm.func(*local_args, **kwargs)
+        try:
+            splan.annotate_inputs(flat_local, in_specs, in_grads)
+        except ValueError as e:
+            raise spmd.explain(e, mesh)
+        try:
+            with splan.checking():
+                out = lm.func(*local_args, **kwargs)
+        except spmd.spmd.SpmdTypeError as e:
+            raise spmd.explain(e, mesh)
     else:
         out = lm.func(*local_args, **kwargs)
 
@@ -277,9 +290,23 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
     if len(flat_out) != len(out_specs):
         validate.check_out_count(len(flat_out), out_specs)
 
+    for o in flat_out:
+        if isinstance(o, AsyncCollectiveTensor):
+            # A collective's result returned as is: wait for it now, so that
+            # an output nobody reads (or one rejected below) leaves no
+            # unwaited work behind (torch warns "there are still N unwaited
+            # collective calls" at exit).  The wrapper stays: wait() marks it
+            # completed.
+            o.wait()
+
     grad_specs = None
     if lm.spmd_types:
-        grad_specs = plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, out_specs)
+        try:
+            grad_specs = plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, out_specs)
+        except ValueError as e:
+            from . import spmd
+
+            raise spmd.explain(e, mesh)
 
     ready = plan.out_ready
     device_type = mesh.device_type

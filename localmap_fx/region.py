@@ -96,6 +96,7 @@ def spec_annotation(
     redistribute_inputs: bool,
     spmd_types: bool,
     identity: tuple[str, str] | None = None,
+    body_key: int | None = None,
 ) -> dict:
     """The constant dict capture puts in ``node.meta["custom"]``.
 
@@ -128,6 +129,8 @@ def spec_annotation(
             "redistribute_inputs": bool(redistribute_inputs),
             "spmd_types": bool(spmd_types),
             "has_mesh": device_mesh is not None,
+            # spmd_types=True: finds the body at compile time (lowering.functions)
+            "body": body_key,
         }
     }
 
@@ -167,6 +170,7 @@ class RegionSpec:
     call_function: str
     func_site: str
     mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False, hash=False)
+    body_key: int | None = dataclasses.field(default=None, compare=False, hash=False)
 
     def text(self) -> str:
         ins = "None" if self.in_placements is None else ", ".join(
@@ -264,6 +268,7 @@ def build_spec(ann: dict, enter, body, exits, mesh: DeviceMesh | None = None) ->
         call_function=fn,
         func_site=ann["func_site"],
         mesh=mesh,
+        body_key=ann.get("body"),
     )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "out_grad_placements",
     "typed_in_grad_placements",
     "SpmdPlan",
+    "explain",
 ]
 
 
@@ -244,6 +246,55 @@ def out_grad_placements(
     return tuple(grads)
 
 
+def _axis_names(mesh: DeviceMesh) -> str:
+    """``"default_pg is mesh dimension 'tp'"``: spmd_types' axis names -> the user's."""
+    names = mesh.mesh_dim_names
+    if not names:
+        return ""
+    from spmd_types.types import format_axis
+
+    parts = []
+    for dim, name in enumerate(names):
+        try:
+            axis = format_axis(_axis(mesh, dim))
+        except Exception:  # noqa: BLE001 - no name to give
+            continue
+        if str(axis) != name:
+            parts.append(f"{axis} is device_mesh dimension {name!r}")
+    return "; ".join(parts)
+
+
+def explain(e: BaseException, mesh: DeviceMesh | None) -> BaseException:
+    """Append localmap_fx's hint to an error of the SPMD check, in place.
+
+    spmd_types names mesh axes by their process group (``default_pg``); the
+    hint says which ``device_mesh`` dimension that is and how to fix the
+    call.  The text is appended *after* spmd_types' (after an
+    ``SpmdTypeError``'s operator context), so torch's message stays a prefix.
+    """
+    if getattr(e, "_localmap_fx_explained", False):
+        return e
+    names = _axis_names(mesh) if mesh is not None else ""
+    hint = "\n[localmap_fx] " + (f"mesh axes: {names}. " if names else "") + (
+        "Fix the body or the placements so that each value's SPMD type is "
+        "what the region declares: add the missing collective (or "
+        "spmd_types' reinterpret/convert), or change out_placements / "
+        "in_grad_placements; see docs/user-guide.md, \"What the SPMD checker "
+        "proves\"."
+    )
+    if spmd is not None and isinstance(e, spmd.SpmdTypeError) and e.context:
+        e.context = e.context + hint
+    elif e.args and isinstance(e.args[0], str):
+        e.args = (e.args[0] + hint,) + tuple(e.args[1:])
+    else:
+        e.add_note(hint.strip())
+    try:
+        e._localmap_fx_explained = True
+    except AttributeError:  # pragma: no cover - exotic exception types
+        pass
+    return e
+
+
 class SpmdPlan:
     """Per (local_map function, mesh) state of the eager ``spmd_types=True`` path.
 
@@ -256,13 +307,21 @@ class SpmdPlan:
     are redone, raising the same error at the same point).
     """
 
-    __slots__ = ("mesh", "_axes", "_in_types", "_mesh_entry")
+    __slots__ = ("_mesh", "_axes", "_in_types", "_mesh_entry")
 
     def __init__(self, mesh: DeviceMesh) -> None:
-        self.mesh = mesh
+        # weakly: plans are cached per mesh (Note: [Caches keyed on a mesh])
+        self._mesh = weakref.ref(mesh)
         self._axes: dict[int, Any] = {}
         self._in_types: dict[int, tuple] = {}
         self._mesh_entry: tuple | None = None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        mesh = self._mesh()
+        if mesh is None:
+            raise AssertionError("SpmdPlan used after its DeviceMesh was collected")
+        return mesh
 
     def axis(self, dim: int):
         a = self._axes.get(dim)

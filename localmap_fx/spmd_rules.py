@@ -67,6 +67,7 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from spmd_types import I, P, R, V
+import torch.utils._pytree as pytree
 from torch._ops import OpOverload
 
 from .graph_utils import NON_COLLECTIVE_OPS, funcol_op
@@ -438,7 +439,7 @@ def _stamp(out, local_type: dict | None) -> None:
         spmd.assert_type(out, local_type)
 
 
-def _apply_collective(func, op: str, args: tuple, kwargs: dict):
+def _apply_collective(func, op: str, args: tuple, kwargs: dict, mode=None):
     tensor_arg, reduce_arg, group_arg = _ARGS[op]
     bound = _bind(func, args, kwargs)
     reduce_op = bound.get(reduce_arg) if reduce_arg else None
@@ -451,21 +452,30 @@ def _apply_collective(func, op: str, args: tuple, kwargs: dict):
     except ValueError as e:
         raise _type_error(f"{rule.text}: {e}") from None
     what = f"{rule.text} over axis {spmd.types.format_axis(axis)}"
-    result = _run_unchecked(func, args, kwargs)
+    # Types are checked before the collective runs: a rejected call issues
+    # no collective (the verdict is the same on every rank, so no rank waits
+    # for it) and leaves no unwaited work behind.
     inputs = bound[tensor_arg]
     if isinstance(inputs, torch.Tensor):
-        _stamp(result, _check_tensor(rule, inputs, axis, what))
+        out_type = _check_tensor(rule, inputs, axis, what)
+        result = _run_unchecked(func, args, kwargs)
+        _stamp(result, out_type)
+        outs = [result]
     else:
         types = [
             _check_tensor(rule, x, axis, f"{what}, tensor {i}")
             for i, x in enumerate(inputs)
         ]
+        result = _run_unchecked(func, args, kwargs)
         for out, t in zip(result, types, strict=True):
             _stamp(out, t)
+        outs = list(result)
+    if mode is not None:
+        mode.issued.extend(o for o in outs if isinstance(o, torch.Tensor))
     return result
 
 
-def _apply_identity(func, args: tuple, kwargs: dict):
+def _apply_identity(func, args: tuple, kwargs: dict, mode=None):
     x = args[0] if args else next(iter(kwargs.values()))
     result = _run_unchecked(func, args, kwargs)
     if isinstance(x, torch.Tensor) and spmd.has_local_type(x):
@@ -495,16 +505,33 @@ def _handler(func):
     return functools.partial(_dispatch_unknown, f"{ns}.{op}")
 
 
-def _dispatch_collective(op, func, args, kwargs):
-    return _apply_collective(func, op, args, kwargs)
+def _dispatch_collective(op, func, args, kwargs, mode=None):
+    return _apply_collective(func, op, args, kwargs, mode)
 
 
-def _dispatch_unknown(name, func, args, kwargs):
+def _dispatch_unknown(name, func, args, kwargs, mode=None):
     _unknown(name)
 
 
 class _FuncolRules(torch.overrides.TorchFunctionMode):
-    """Types functional collectives; see Note: [Why a rule table of our own]."""
+    """Types functional collectives; see Note: [Why a rule table of our own].
+
+    When the checked code raises (a rejected body), the collectives it issued
+    are waited for on the way out: their results are dropped with the
+    exception, and unwaited work stays registered until the process exits.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issued: list = []  # collective results of the checked code
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is not None:
+                _wait_issued(self.issued)
+        finally:
+            self.issued = []
+        return super().__exit__(exc_type, exc, tb)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -513,8 +540,44 @@ class _FuncolRules(torch.overrides.TorchFunctionMode):
         except TypeError:  # unhashable callable: not an op of ours
             handler = None
         if handler is None or not spmd.is_type_checking():
-            return func(*args, **kwargs)
-        return handler(func, args, kwargs)
+            return _next_mode(func, args, kwargs)
+        return handler(func, args, kwargs, self)
+
+
+def _wait_issued(results: list) -> None:
+    wait = torch.ops._c10d_functional.wait_tensor
+    with torch._C.DisableTorchFunction():
+        for t in results:
+            if not isinstance(t, torch._subclasses.FakeTensor):
+                try:
+                    wait(t)
+                except Exception:  # noqa: BLE001 - already waited or freed: nothing pending
+                    pass
+
+
+def _next_mode(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)`` as the mode below this one would get it.
+
+    Note: [Calls that do not re-dispatch]
+        Torch pops a mode off the stack while its ``__torch_function__``
+        runs, so calling ``func`` from here normally reaches the next mode
+        (spmd_types' checker) because ``func`` checks for torch-function
+        overrides again.  Not every ``func`` does: for
+        ``torch.autograd.Function.apply``, spmd_types routes the call through
+        ``handle_torch_function`` itself and hands modes the *original*
+        ``apply``, which runs the Function without asking any mode.  Calling
+        it would skip spmd_types' rules for Functions
+        (``register_local_autograd_function``, ``typecheck_forward``,
+        ``spmd_typecheck``, unregistered Functions under strict checking).
+        So every call that is not ours is dispatched to the next mode exactly
+        as torch would have dispatched it had this mode not been there.
+    """
+    if torch.overrides._is_torch_function_mode_enabled():
+        relevant = tuple(
+            a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+        )
+        return torch.overrides.handle_torch_function(func, relevant, *args, **kwargs)
+    return func(*args, **kwargs)
 
 
 def rules() -> torch.overrides.TorchFunctionMode:

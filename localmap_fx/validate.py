@@ -63,6 +63,40 @@ def check_in_count(in_placements: Sequence | None, n_flat: int) -> None:
         )
 
 
+class PlacementsIndexError(ValueError, IndexError):
+    """A placements argument with the wrong number of entries.
+
+    A ``ValueError`` (bad argument) that is also the ``IndexError`` torch's
+    ``local_map`` raises for it, so code catching torch's type still works.
+    """
+
+
+class PlacementsTypeError(ValueError, TypeError):
+    """A placements entry of the wrong type (also torch's ``TypeError``)."""
+
+
+def check_grad_count(in_grad_placements: Sequence | None, n_flat: int) -> None:
+    """in_grad_placements needs one entry per flattened argument, like in_placements."""
+    if in_grad_placements is None or len(in_grad_placements) == n_flat:
+        return
+    n = len(in_grad_placements)
+    torch_text = "tuple index out of range: " if n < n_flat else ""
+    raise PlacementsIndexError(
+        f"{torch_text}in_grad_placements has {n} entr{'y' if n == 1 else 'ies'} but the "
+        f"function gets {n_flat} flattened argument{'s' if n_flat != 1 else ''}."
+        "\n[localmap_fx] Give in_grad_placements one entry per flattened "
+        f"positional argument ({n_flat}, in the order of in_placements), with None "
+        "for non-tensor arguments; or pass in_grad_placements=None."
+    )
+
+
+def _mesh_ndim_of(arg: Any) -> int | None:
+    n = getattr(arg, "mesh_ndim", None)
+    if n is None and isinstance(arg, DTensor):
+        n = arg.device_mesh.ndim
+    return n
+
+
 def check_dtensor_in_spec(
     arg: DTensor | Described, idx: int, spec: Any, redistribute_inputs: bool
 ) -> bool:
@@ -80,12 +114,30 @@ def check_dtensor_in_spec(
     if arg.placements != spec:
         if redistribute_inputs:
             return True
-        raise ValueError(
+        mismatch = (
             f"arg {arg} in local_map has a mismatched placements: "
             f"arg placements is {arg.placements} but the input "
             f"placements is {spec}! "
             "If redistribute_inputs is wanted, set "
             "redistribute_inputs=True to local_map."
+        )
+        mesh_ndim = _mesh_ndim_of(arg)
+        if (
+            mesh_ndim is not None
+            and len(spec) > mesh_ndim
+            and all(isinstance(p, Placement) for p in spec)
+        ):
+            # The real cause first: no redistribution can reach these.
+            raise ValueError(
+                f"in_placements[{idx}] = {spec} has {len(spec)} placements but the "
+                f"argument's device mesh has {mesh_ndim} dimension"
+                f"{'s' if mesh_ndim != 1 else ''}.\n{mismatch}"
+                f"\n[localmap_fx] give in_placements[{idx}] one Placement per mesh "
+                f"dimension ({mesh_ndim}), or pass the DTensor on the mesh that "
+                "in_placements describes."
+            )
+        raise ValueError(
+            f"{mismatch}"
             f"\n[localmap_fx] in_placements[{idx}] = {spec} but the argument "
             f"is placed {arg.placements}."
         )
@@ -109,7 +161,10 @@ def _as_placements_for(spec: Any, where: str) -> tuple | None:
     try:
         return as_placements(spec)
     except TypeError as e:
-        raise with_hint(e, f"{where} = {spec!r} must be a list of placements, e.g. [{spec!r}].") from None
+        raise PlacementsTypeError(
+            f"{e}\n[localmap_fx] {where} = {spec!r} must be a list of placements "
+            f"(one per mesh dimension), e.g. [{spec!r}]."
+        ) from None
 
 
 def _type_name(x: Any) -> str:
@@ -275,6 +330,7 @@ def plan_inputs(
     is needed and ``grad`` is the ``to_local`` grad placements (or None).
     """
     check_in_count(in_placements, len(descs))
+    check_grad_count(in_grad_placements, len(descs))
     plan = []
     for idx, desc in enumerate(descs):
         try:

@@ -57,6 +57,9 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",
+        "localmap_fx.lowering.functions",
+        "localmap_fx.testing.teardown",
+        "localmap_fx.meshcache",
         "localmap_fx._pytree",
         "localmap_fx.errors",
         "localmap_fx.shapes",

@@ -46,6 +46,9 @@ FORMS = {
     "mirrored": dict(in_placements=({"q": S0, "k": S0}, R, None)),
     "mirrored_broadcast": dict(in_placements=(S0, [R, R], None)),
     "by_name": dict(in_placements={"d": S0, "ws": R}),
+    # a list reads as a tuple, eager and compiled alike (issue #12)
+    "mirrored_list": dict(in_placements=[{"q": S0, "k": S0}, R, None]),
+    "mirrored_broadcast_list": dict(in_placements=[S0, [R, R], None]),
 }
 
 
@@ -99,6 +102,7 @@ def test_errors_name_the_argument_path(compiled):
         d, ws, _, _, _ = _inputs(mesh)
         cases = [
             (({"q": S0}, R, None), ValueError, "args[0]['k']"),  # missing entry
+            (({"q": S0, "k": {"x": S0}}, R, None), ValueError, "args[0]['k']"),  # not a spec
             (({"q": S0, "k": None}, R, None), AssertionError, "args[0]['k']"),  # DTensor with None
             (({"q": S0, "k": R}, R, None), ValueError, "args[0]['k']"),  # mismatch
             (({"q": S0, "k": S0}, R, S0), AssertionError, "args[2]"),  # non-tensor with placements
@@ -112,4 +116,5 @@ def test_errors_name_the_argument_path(compiled):
             with pytest.raises(exc) as info:
                 call(d, ws)
             assert path in str(info.value), (spec, str(info.value))
+            assert "[localmap_fx]" in str(info.value), (spec, str(info.value))  # the fix
             torch._dynamo.reset()

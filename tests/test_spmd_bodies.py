@@ -87,6 +87,50 @@ def _group_name(mesh, dim=0):
     return mesh.get_group(dim).group_name
 
 
+# --- torch.autograd.Function bodies: spmd_types types them by class ---------
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+
+@spmd.register_local_autograd_function
+class LocalMatmul(_Matmul):
+    """Registered as local: typed like an element-wise op (V and I do not mix)."""
+
+
+class UnregisteredMatmul(_Matmul):
+    """Not registered: rejected under strict checking."""
+
+
+@spmd.register_local_autograd_function
+class LocalScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class TypedRowwiseMatmul(_Matmul):
+    """Declares its output type itself (spmd_typecheck): a sharded contraction is P."""
+
+    @staticmethod
+    def spmd_typecheck(out, *, x, w):
+        spmd.rules.ignore(x, w)
+        spmd.assert_type(out, {a: spmd.P for a in spmd.get_local_type(x)})
+
+
 CASES: dict[str, Case] = {
     # --- plain bodies: spmd_types' own rules ---------------------------------
     "elementwise_shard": Case(
@@ -320,6 +364,27 @@ CASES: dict[str, Case] = {
         2, lambda m: lambda x: torch.relu(x), (((8, 4), (S0, P)),), [S0, P],
         lambda n, x: torch.relu(x), error="non-linear",
     ),
+    # autograd.Function bodies: spmd_types' verdict by class (issue #12)
+    "fn_local_scale": Case(
+        1, lambda m: lambda x: LocalScale.apply(x), (((8, 4), (S0,)),), [S0],
+        lambda n, x: x * 2,
+    ),
+    "fn_local_dp_matmul_invariant_weight": Case(
+        # the weight's grad is declared Replicate (I) but each rank computes
+        # a partial sum of it: spmd_types rejects V mixed with I
+        1, lambda m: lambda x, w: LocalMatmul.apply(x, w),
+        (((8, 4), (S0,)), ((4, 4), (R,))), [S0], lambda n, x, w: x @ w,
+        in_grads=((S0,), (R,)), error="Invariant type",
+    ),
+    "fn_unregistered_dp_matmul": Case(
+        1, lambda m: lambda x, w: UnregisteredMatmul.apply(x, w),
+        (((8, 4), (S0,)), ((4, 4), (R,))), [S0], lambda n, x, w: x @ w,
+        in_grads=((S0,), (R,)), error="is not registered for SPMD type checking",
+    ),
+    "fn_typed_rowwise_partial": Case(
+        1, lambda m: lambda x, w: TypedRowwiseMatmul.apply(x, w),
+        (((4, 8), (S1,)), ((8, 4), (S0,))), [P], lambda n, x, w: x @ w,
+    ),
 }
 
 
@@ -548,7 +613,8 @@ def test_torch_local_map_differs_only_on_funcol(name):
         theirs = e
     same = (ours is None and theirs is None) or (
         ours is not None and theirs is not None and type(ours) is type(theirs)
-        and str(ours) == str(theirs)
+        # ours: torch's text, then localmap_fx's hint (mesh dim names, fix)
+        and str(ours).startswith(str(theirs)) and "[localmap_fx]" in str(ours)
     )
     if not case.funcol:
         assert same, (ours, theirs)
@@ -619,3 +685,43 @@ def test_known_gap_gather_dim_is_not_checked():
     )
     assert eager_verdict(case, ltm=True) is None
     assert numerics_correct(case, True) == (False, "output 0 differs")
+
+
+def test_known_gap_nonlinear_on_varying_partial_sums():
+    """Row-parallel ``relu(h @ w)``: with the contraction dimension sharded,
+    each rank's ``h @ w`` is a partial sum, but local SPMD types call it V
+    (varying), and V may pass a non-linear op.  The all_reduce then sums
+    ``relu`` of the parts, not ``relu`` of the sum: the checker accepts a body
+    whose values are wrong, eagerly and compiled, and so does torch's
+    local_map (spmd_types has no rule that could see it).  Documented in
+    docs/user-guide.md, "What the SPMD checker proves"."""
+    from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+    case = Case(
+        1,
+        lambda m: lambda h, w: funcol.all_reduce(torch.relu(h @ w), "sum", (m, 0)),
+        (((4, 8), (S1,)), ((8, 4), (S0,))), [R],
+        lambda n, h, w: torch.relu(h @ w), funcol=True,
+    )
+    assert eager_verdict(case, ltm=True) is None
+    correct, why = numerics_correct(case, True)
+    assert not correct and "differs" in why, why
+    # compiled: accepted too
+    mesh = mesh_for(1)
+    inputs = [_fake_pg_dtensor(x, mesh, p, True) for x, (_, p) in zip(_globals(case), case.ins)]
+    fn = _local_map(case, mesh)
+    torch.compile(
+        lambda *a: fn(*a), backend=localmap_fx.backend("aot_eager", outline=False), fullgraph=True
+    )(*inputs)
+    # the same body with the reduction first is right
+    fixed = dataclasses.replace(
+        case, body=lambda m: lambda h, w: torch.relu(funcol.all_reduce(h @ w, "sum", (m, 0)))
+    )
+    assert eager_verdict(fixed, ltm=True) is None
+    assert numerics_correct(fixed, True) == (True, "forward and gradients match")
+    # torch's local_map(spmd_types=True) rejects both, the right one too: it
+    # does not type functional collectives (all_reduce keeps V), so this is
+    # not detection of the bug (see the funcol deviation in the user guide)
+    for c in (case, fixed):
+        with pytest.raises(ValueError, match="inferred spmd.V"):
+            _local_map(c, mesh, impl=torch_local_map)(*inputs)

@@ -12,7 +12,6 @@ and tests.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -20,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from ..graph_utils import mesh_dim_names
+from ..meshcache import MeshCache
 from ..region import placements_str
 
 __all__ = ["RedistributeStep", "RedistributePlan", "plan_redistribute", "collective_of"]
@@ -67,7 +67,11 @@ class RedistributePlan:
         return "; ".join(s.text() for s in self.steps)
 
 
-@functools.lru_cache(maxsize=1024)
+# {mesh: {(src, dst, shape, stride, dtype): plan}}; see Note: [Caches keyed on a mesh]
+_PLANS = MeshCache()
+_MAX_PLANS_PER_MESH = 1024
+
+
 def _plan_cached(
     mesh: DeviceMesh,
     src: tuple[Placement, ...],
@@ -76,8 +80,30 @@ def _plan_cached(
     stride: tuple[int, ...],
     dtype: torch.dtype,
 ) -> RedistributePlan:
+    plans = _PLANS.get_or_make(mesh, dict)
+    key = (src, dst, shape, stride, dtype)
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= _MAX_PLANS_PER_MESH:
+            plans.clear()
+        plan = plans[key] = _make_plan(mesh, src, dst, shape, stride, dtype)
+    return plan
+
+
+def _make_plan(
+    mesh: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+) -> RedistributePlan:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    # not torch's @cache'd _gen_transform_infos: it keeps every mesh it saw
+    # alive (Note: [Caches keyed on a mesh]); plans are cached here instead
+    from torch.distributed.tensor._redistribute import (
+        _gen_transform_infos_non_cached as _gen_transform_infos,
+    )
 
     meta = TensorMeta(torch.Size(shape), stride, dtype)
     if src == dst:

@@ -26,6 +26,7 @@ from .. import spmd
 from ..errors import region_error
 from ..graph_utils import Frame, is_wrapper_frame, node_value, stack_frames
 from ..region import Region, index_of
+from . import functions
 
 __all__ = ["out_grad_placements_for", "typed_in_grad_placements"]
 
@@ -41,14 +42,42 @@ class _CheckInterpreter(fx.Interpreter):
     after the eager message instead (see :func:`out_grad_placements_for`).
     """
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, body: Any = None) -> None:
         super().__init__(gm)
         self.extra_traceback = False
         self.node: fx.Node | None = None
+        self.body = body
 
     def run_node(self, n: fx.Node):
         self.node = n
         return super().run_node(n)
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.higher_order.autograd_function_apply:
+            return _apply_function(self.body, args)
+        return super().call_function(target, args, kwargs)
+
+
+def _apply_function(body: Any, args: tuple):
+    """The traced ``autograd_function_apply(fwd, bwd, *tensors)``, as its class's ``apply``.
+
+    See Note: [autograd.Function under the compile-time SPMD check].
+    """
+    tensors = args[2:]
+    candidates = [] if body is None else functions.function_classes(body)
+    fits = [c for c in candidates if functions.apply_arity_matches(c, len(tensors))]
+    if len(fits) != 1:
+        names = ", ".join(c.__qualname__ for c in candidates) or "none found"
+        raise spmd.spmd.SpmdTypeError(
+            "the compile-time SPMD check cannot tell which torch.autograd.Function "
+            "this call applies (Dynamo keeps only its traced forward and backward; "
+            f"Function classes the body names: {names}), so it cannot give "
+            "spmd_types' verdict on it. Call the Function's apply directly in the "
+            "local_map body with tensor arguments only (one Function class per "
+            "body), or run this region eagerly to have it checked."
+        )
+    out = fits[0].apply(*tensors)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _fresh_fake(mode: FakeTensorMode, val):
@@ -86,7 +115,7 @@ def _run_checked(region: Region) -> tuple:
         tuple(in_grads) if spec.in_grad_placements is not None else None,
         mesh,
     )
-    interp = _CheckInterpreter(region.subgraph)
+    interp = _CheckInterpreter(region.subgraph, functions.body_of(spec.body_key))
     try:
         with mode, spmd.checking(mesh):
             outs = interp.run(*fakes)
@@ -124,6 +153,8 @@ def out_grad_placements_for(region: Region) -> tuple:
         )
         node = e.__dict__.pop("_localmap_fx_node", None)
         _as_eager_text(e)
+        if isinstance(e, (ValueError, spmd.spmd.SpmdTypeError)):
+            spmd.explain(e, region.spec.mesh)
         line = _body_line(node)
         if line:
             where += f"\n[localmap_fx] failing body op: {line}"

@@ -31,13 +31,20 @@ import re
 
 import torch
 import torch.fx as fx
+import torch.utils._python_dispatch
 
 from ..graph_utils import fetch_attr, getitem_users, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
 from .inline_shared_bodies import inline_nested_shared_bodies
 
-__all__ = ["OutlineMatch", "find_outline_matches", "outline_region", "outline_regions"]
+__all__ = [
+    "OutlineMatch",
+    "find_input_writes",
+    "find_outline_matches",
+    "outline_region",
+    "outline_regions",
+]
 
 
 @dataclasses.dataclass
@@ -114,15 +121,73 @@ def _skip_reason(region: Region) -> str | None:
         v = _val(o)
         if isinstance(v, torch.Tensor) and _storage_key(v) in in_storages:
             return f"output {o.name} aliases an input"
-    input_set = set(inputs)
-    for n in region.body_nodes:
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        first = n.args[0] if n.args else None
-        if name.endswith("_") and not name.startswith("_") and isinstance(first, fx.Node) and first in input_set:
-            return f"mutates input {first.name} in place ({name})"
-        if n.op == "call_function" and n.target is operator.setitem:
-            return "mutates an input with setitem"
+    written = find_input_writes(region)
+    if written:
+        return f"writes to input {written[0]} in place ({written[1]})"
     return None
+
+
+class _WriteRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records aten ops that write (schema alias info) into watched storages."""
+
+    def __init__(self, watched: dict) -> None:
+        super().__init__()
+        self.watched = watched  # storage key -> input name
+        self.hit: tuple[str, str] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.hit is None and func._schema.is_mutable:
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, torch.Tensor):
+                        name = self.watched.get(_storage_key(t))
+                        if name is not None:
+                            self.hit = (name, str(func.overloadpacket.__name__))
+        return func(*args, **kwargs)
+
+
+def find_input_writes(region: Region) -> tuple[str, str] | None:
+    """``(input name, aten op)`` of a write into a region input's storage, or None.
+
+    Note: [Deciding that a body mutates an input]
+        Names ending in ``_`` miss writes through a view of an input
+        (``x[0].add_(1)``, ``x.view(-1).mul_(2)``), ``out=`` arguments and
+        ``copy_``/``setitem``.  Instead the body runs once on fresh fake
+        tensors shaped like its inputs, and every aten op whose schema marks
+        an argument as written (``alias_info.is_write``: in-place, ``out=``,
+        ``copy_``, ``index_put_`` ...) is checked against the storages of the
+        inputs.  A body that cannot be run that way counts as mutating (kept
+        inline: inline is always right).
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vals = [_val(i.node) for i in region.inputs]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or FakeTensorMode(
+        allow_non_fake_inputs=True
+    )
+    names = [i.node.name for i in region.inputs]
+    with mode:
+        fakes = [
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            if isinstance(v, torch.Tensor)
+            else v
+            for v in vals
+        ]
+    watched = {
+        _storage_key(f): n for f, n in zip(fakes, names) if isinstance(f, torch.Tensor)
+    }
+    recorder = _WriteRecorder(watched)
+    try:
+        with mode, recorder, torch.no_grad():
+            fx.Interpreter(region.subgraph).run(*fakes)
+    except Exception as e:  # noqa: BLE001 - cannot tell: keep the body inline
+        return ("?", f"not analyzable: {type(e).__name__}")
+    return recorder.hit
 
 
 def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from .teardown import shutdown
+
 __all__ = ["run_ranks", "free_port", "RankFailure", "RankTraceback"]
 
 _LOG_TAIL_CHARS = 6000
@@ -145,6 +147,7 @@ def _child_main(
         import torch
         import torch.distributed as dist
 
+        record: dict = {}
         try:
             if device == "cuda":
                 torch.cuda.set_device(rank)
@@ -185,11 +188,12 @@ def _child_main(
                 "time": failed_at,
             }
         finally:
-            if dist.is_available() and dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
+            # wait, barrier (only when this rank succeeded: a failed peer
+            # would never reach it), destroy: see Note: [Tearing down in order]
+            try:
+                shutdown(barrier="ok" in record)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
         _write(result_path, record)
     except BaseException:  # noqa: BLE001 - e.g. torch failed to import
         traceback.print_exc()
