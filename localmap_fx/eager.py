@@ -43,8 +43,8 @@ from torch.distributed.tensor._utils import assert_no_mixed_partial_types
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from . import validate
-from .meshcache import MeshCache
 from ._pytree import flatten_args, pytree, unflatten_args
+from .meshcache import MeshCache
 from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
@@ -253,12 +253,12 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         try:
             splan.annotate_inputs(flat_local, in_specs, in_grads)
         except ValueError as e:
-            raise spmd.explain(e, mesh)
+            raise spmd.explain(e, mesh) from None
         try:
             with splan.checking():
                 out = lm.func(*local_args, **kwargs)
         except spmd.spmd.SpmdTypeError as e:
-            raise spmd.explain(e, mesh)
+            raise spmd.explain(e, mesh) from None
     else:
         out = lm.func(*local_args, **kwargs)
 
@@ -306,7 +306,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
         except ValueError as e:
             from . import spmd
 
-            raise spmd.explain(e, mesh)
+            raise spmd.explain(e, mesh) from None
 
     ready = plan.out_ready
     device_type = mesh.device_type

@@ -289,7 +289,7 @@ def explain(e: BaseException, mesh: DeviceMesh | None) -> BaseException:
     else:
         e.add_note(hint.strip())
     try:
-        e._localmap_fx_explained = True
+        e._localmap_fx_explained = True  # type: ignore[attr-defined]
     except AttributeError:  # pragma: no cover - exotic exception types
         pass
     return e

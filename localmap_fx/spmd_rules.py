@@ -66,8 +66,8 @@ from typing import Any
 
 import spmd_types as spmd
 import torch
-from spmd_types import I, P, R, V
 import torch.utils._pytree as pytree
+from spmd_types import I, P, R, V
 from torch._ops import OpOverload
 
 from .graph_utils import NON_COLLECTIVE_OPS, funcol_op

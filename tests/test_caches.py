@@ -10,8 +10,8 @@ import weakref
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
 import localmap_fx
 from localmap_fx.lowering.plan import plan_redistribute
@@ -37,8 +37,8 @@ def test_torch_planner_cache_keeps_the_mesh():
     """Upstream (torch 2.14.1): ``_planner_cache`` is keyed on a weakref of the
     mesh but its planner holds the mesh, so the mesh lives until the cache is
     cleared.  When this fails, torch fixed it: drop the clearing in _collected."""
-    from torch.distributed.tensor._redistribute import get_redistribute_planner
     from torch.distributed.tensor._dtensor_spec import TensorMeta
+    from torch.distributed.tensor._redistribute import get_redistribute_planner
 
     def use():
         m = _fresh_mesh()

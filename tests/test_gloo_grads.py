@@ -61,9 +61,8 @@ def _run(rank: int, world_size: int, device: str) -> dict:
     from test_fuzz import BODIES
     from test_spmd_bodies import CASES, _as_tuple, _local_map, _reference
     from test_spmd_gloo import _inputs
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.experimental import local_map as torch_local_map
 
     import localmap_fx

@@ -122,7 +122,7 @@ def function_classes(func: Any, depth: int = 3) -> list[type]:
     return list(found)
 
 
-def apply_arity_matches(cls: type, n_tensors: int) -> bool:
+def apply_arity_matches(cls: Any, n_tensors: int) -> bool:
     """``cls.apply`` takes exactly ``n_tensors`` positional arguments."""
     from torch.autograd.function import _is_setup_context_defined
 

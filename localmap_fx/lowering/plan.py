@@ -99,6 +99,7 @@ def _make_plan(
     dtype: torch.dtype,
 ) -> RedistributePlan:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
     # not torch's @cache'd _gen_transform_infos: it keeps every mesh it saw
     # alive (Note: [Caches keyed on a mesh]); plans are cached here instead
     from torch.distributed.tensor._redistribute import (

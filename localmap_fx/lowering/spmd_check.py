@@ -76,7 +76,7 @@ def _apply_function(body: Any, args: tuple):
             "local_map body with tensor arguments only (one Function class per "
             "body), or run this region eagerly to have it checked."
         )
-    out = fits[0].apply(*tensors)
+    out = fits[0].apply(*tensors)  # type: ignore[attr-defined]
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 

@@ -170,7 +170,7 @@ def _child_main(
                 **init_kwargs,
             )
             result = _to_picklable(fn(rank, world_size, device, *args))
-            record: dict = {"ok": result}
+            record = {"ok": result}
             pickle.dumps(record)  # fail here, with a traceback, if unpicklable
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             failed_at = time.time()
