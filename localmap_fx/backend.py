@@ -140,11 +140,16 @@ def _inductor(
 
 # Note: [When "auto" shares layers]
 #     Every shared piece costs a call through AOTAutograd's runtime wrappers
-#     and a DTensor unwrap/wrap of its inputs and outputs, and kernels no
-#     longer fuse across a layer border; it saves the AOT trace and the
-#     kernel compilation of every repeat.  "auto" shares when the graph has
-#     at least AUTO_MIN_LAYERS layers with one key (numbers:
-#     docs/benchmarks.md, "layer sharing").
+#     and a DTensor unwrap/wrap of its inputs and outputs (about 0.1 ms per
+#     layer, forward + backward, on CPU), and kernels no longer fuse across
+#     a layer border; it saves the AOT trace and the kernel compilation of
+#     every repeat.  "auto" shares when the graph has at least
+#     AUTO_MIN_LAYERS layers with one key (numbers: docs/benchmarks.md,
+#     "Layer sharing").  With share_layers True or "auto", outlined region
+#     bodies are put back inline first: a shared layer is compiled once
+#     anyway, and an outlined body is a kernel border and a call at run time
+#     (outline=False ran at 0.97-1.00x upstream, outlined at 1.08x).  The
+#     outline option keeps its meaning with share_layers=False.
 AUTO_MIN_LAYERS = 8
 
 
@@ -179,6 +184,7 @@ def _compile_one(opts: BackendOptions, on_output):
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions):
     """Run the pipeline on a Dynamo graph and hand it to the inner compiler."""
     from .compile_pieces import compile_pieces
+    from .passes.inline_bodies import inline_bodies
     from .passes.share_layers import find_layer_spans, split_layers
 
     from .debug.dump import inspector_for
@@ -191,11 +197,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     if opts.on_stage is not None:
         opts.on_stage("captured", gm)
     gm = run_passes(gm, opts.passes(), opts.on_stage)
+    compile_one = _compile_one(opts, inspector and inspector.on_inner_output)
+    if opts.share_layers is False:
+        if inspector is not None:
+            inspector.lowered(gm)
+        return compile_one(gm, list(example_inputs))
+    # share_layers True / "auto": bodies go back inline (Note: [When "auto"
+    # shares layers]); the layer finder works on that graph.
+    gm = inline_bodies(gm)
     if inspector is not None:
         inspector.lowered(gm)
-    compile_one = _compile_one(opts, inspector and inspector.on_inner_output)
-    plan = find_layer_spans(gm) if opts.share_layers is not False else None
-    why_whole = layer_sharing_decision(plan, opts.share_layers) if plan is not None else "share_layers=False"
+    plan = find_layer_spans(gm)
+    why_whole = layer_sharing_decision(plan, opts.share_layers)
     if why_whole is not None:
         if inspector is not None:
             inspector.pieces(plan, None, why_whole)

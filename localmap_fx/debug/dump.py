@@ -255,7 +255,8 @@ class FrameInspector:
 
     def pieces(self, plan, reports, why_whole) -> None:
         """Which layers share one compiled piece (see passes.share_layers)."""
-        pass
+        self._guard("pieces", lambda: self.summary.__setitem__("pieces", tables.piece_rows(plan, reports, why_whole)))
+        self._write_summary(trace=True)
 
     def on_aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
         def step() -> None:

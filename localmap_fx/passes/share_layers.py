@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import fetch_attr, node_value
+from ..graph_utils import fetch_attr, is_to_local, node_value
 from ..region import find_regions
 
 __all__ = [
@@ -98,6 +98,9 @@ class LayerPlan:
     first_region: int
     spans: tuple[LayerSpan, ...]
     reason: str | None = None
+    # to_local nodes of graph inputs moved into the prefix piece (Note:
+    # [Weights enter as local tensors]); spans index compute_nodes(gm, hoisted)
+    hoisted: tuple[fx.Node, ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def shared(self) -> tuple[LayerSpan, ...]:
@@ -117,9 +120,20 @@ def _digest(key: Any) -> str:
     return hashlib.sha1(repr(key).encode()).hexdigest()[:10]
 
 
-def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes spans index into: everything but placeholders and the output."""
-    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+def compute_nodes(gm: fx.GraphModule, hoisted: Sequence[fx.Node] = ()) -> list[fx.Node]:
+    """The nodes spans index into: everything but placeholders and the output,
+    ``hoisted`` first.
+
+    Note: [Weights enter as local tensors]
+        A ``to_local`` of a graph input (a weight) found at the same place in
+        every layer is moved to the front, into the prefix piece: layer
+        pieces then receive weights as plain local tensors (no DTensor
+        unwrapping per piece call at run time).  Only the split order
+        changes; the graph itself is not touched.
+    """
+    first = set(hoisted)
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and n not in first]
+    return list(hoisted) + body
 
 
 def _region_kind(spec) -> tuple:
@@ -206,24 +220,37 @@ def span_io(nodes: Sequence[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, outputs
 
 
-def _storage(v: Any) -> Any:
-    from torch.distributed.tensor import DTensor
+# Ops whose result may share storage with their first argument.
+_ALIAS_OPS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "t", "T", "mT", "transpose", "permute", "expand",
+    "expand_as", "narrow", "select", "squeeze", "unsqueeze", "flatten", "unflatten", "detach",
+    "getitem", "__getitem__", "as_strided", "split", "chunk", "unbind", "diagonal", "movedim",
+    "swapaxes", "contiguous", "alias", "to_local", "from_local", "wait", "wait_tensor", "real", "imag",
+    "to", "type_as",
+})
 
-    if isinstance(v, DTensor):
-        v = v._local_tensor
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        return v.untyped_storage()._cdata
-    except Exception:  # noqa: BLE001 - tensors without storage
-        return None
+
+def _op_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
+def _alias_source(n: fx.Node, inputs: set) -> fx.Node | None:
+    """The span input ``n`` may be a view of (through view ops only), else None."""
+    while True:
+        if n in inputs:
+            return n
+        if n.op not in ("call_function", "call_method") or _op_name(n) not in _ALIAS_OPS:
+            return None
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
 
 
 def _unshareable(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs) -> str | None:
     for n in nodes:
         if n.op == "call_function" and n.target in (operator.setitem,):
             return f"{n.name} mutates a value (setitem)"
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        name = _op_name(n)
         if name.endswith("_") and not name.startswith("_") or name in ("copy_", "set_"):
             return f"{n.name} mutates a value in place ({name})"
         if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
@@ -234,15 +261,13 @@ def _unshareable(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs) 
                 isinstance(s, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in s.shape)
             ):
                 return f"{n.name} has symbolic shapes"
-    in_storages = {}
-    for i in inputs:
-        k = _storage(node_value(i))
-        if k is not None:
-            in_storages[k] = i.name
+    # Structural, not by storage: nodes copied from one shared body carry
+    # the same fake values, so storages would look shared between layers.
+    input_set = set(inputs)
     for o in outputs:
-        k = _storage(node_value(o))
-        if k is not None and k in in_storages:
-            return f"output {o.name} aliases input {in_storages[k]}"
+        src = _alias_source(o, input_set)
+        if src is not None:
+            return f"output {o.name} aliases input {src.name}"
     return None
 
 
@@ -296,6 +321,10 @@ def _align_to_majority(gm, nodes, bounds, keys):
     return out_b, out_k
 
 
+def _reads_placeholder(n: fx.Node) -> bool:
+    return is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+
+
 def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     """Find the repeated layers of ``gm`` (read-only).  See Note: [Layer spans and their key]."""
     regions = find_regions(gm)
@@ -321,6 +350,9 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     bounds = list(zip(starts, stops))
     keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
     bounds, keys = _align_to_majority(gm, nodes, bounds, keys)
+    hoisted, nodes, bounds = _hoist_weights(nodes, bounds)
+    if hoisted:
+        keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
     spans = []
     # A span shares only with another span of the same key.
     counts: dict[tuple, int] = {}
@@ -331,7 +363,28 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
         if key is not None and counts[key] < 2:
             key, reason = None, "no other layer has the same key (code, placements, mesh, shapes, dtypes or requires_grad differ)"
         spans.append(LayerSpan(i, a, b, key, reason))
-    return LayerPlan(p, s, tuple(spans))
+    return LayerPlan(p, s, tuple(spans), hoisted=tuple(hoisted))
+
+
+def _hoist_weights(nodes: list[fx.Node], bounds: list[tuple[int, int]]):
+    """(hoisted, new order, new bounds): Note: [Weights enter as local tensors]."""
+    if not bounds:
+        return [], nodes, bounds
+    common = None
+    for a, b in bounds:
+        rel = {j for j in range(b - a) if _reads_placeholder(nodes[a + j])}
+        common = rel if common is None else common & rel
+    if not common:
+        return [], nodes, bounds
+    hoisted = sorted((nodes[a + j] for a, b in bounds for j in common), key=nodes.index)
+    hs = set(hoisted)
+    order = hoisted + [n for n in nodes if n not in hs]
+    pos = {n: i for i, n in enumerate(order)}
+    new_bounds = []
+    for a, b in bounds:
+        kept = [n for n in nodes[a:b] if n not in hs]
+        new_bounds.append((pos[kept[0]], pos[kept[0]] + len(kept)))
+    return hoisted, order, new_bounds
 
 
 def _copy_span(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs, name: str) -> fx.GraphModule:
@@ -360,7 +413,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
     Spans with equal keys get structurally identical submodules (same input
     order, same outputs), so one compiled callable serves them all.
     """
-    nodes = compute_nodes(gm)
+    nodes = compute_nodes(gm, plan.hoisted)
     cuts: list[tuple[int, int, LayerSpan | None]] = []
     at = 0
     for span in plan.spans:
