@@ -450,3 +450,30 @@ def test_inline_bodies_undoes_outlining_and_keeps_regions():
         ["matmul", "tanh", "add"]
     ] * 3
     assert torch.equal(gm(*args)[0].to_local(), expected)
+
+
+def test_graph_break_splits_the_stack_into_frames_each_shared_on_its_own():
+    mesh = mesh_1d()
+    layer = _layer_fn(mesh)
+
+    def step(x, ws):
+        for w in ws[:3]:
+            x = layer(x, w)
+        torch._dynamo.graph_break()
+        for w in ws[3:]:
+            x = layer(x, w)
+        return (x * x).sum()
+
+    results = []
+    frames = []
+    for share in (True, False):
+        x, ws, _ = _state(mesh, 6)
+        torch._dynamo.reset()
+        inner = localmap_fx.backend("aot_eager", share_layers=share, on_stage=lambda name, gm: frames.append((share, name)))
+        loss = torch.compile(step, backend=inner)(x, ws)
+        loss.backward()
+        results.append([loss.to_local(), x.grad.to_local(), *[w.grad.to_local() for w in ws]])
+    # two frames, each split into pieces of its own when sharing
+    assert [n for s, n in frames if s and n == "split_layers"] == ["split_layers"] * 2
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
