@@ -20,9 +20,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import localmap_fx
 from localmap_fx.backend import AUTO_MIN_LAYERS, layer_sharing_decision
+from localmap_fx.graph_utils import node_value
 from localmap_fx.passes.share_layers import (
     META_PIECE,
+    compute_nodes,
     find_layer_spans,
+    span_io,
     split_layers,
 )
 
@@ -108,7 +111,14 @@ def test_finder_tp_stack_has_two_regions_per_layer():
     gm = _capture(step, st["x"], st["w1"], st["w2"])
     plan = find_layer_spans(gm)
     assert plan.period == 2 and len(plan.spans) == 3
-    assert len({s.key for s in plan.spans}) == 1 and plan.spans[0].key is not None
+    # borders lie after the next layer's to_local, so a plain tensor crosses
+    # them (Note: [Where layers are cut]); the last layer has no next layer
+    first, second, last = plan.spans
+    assert first.key is not None and first.key == second.key
+    assert last.key is None and last.reason.startswith("last layer")
+    nodes = compute_nodes(gm, plan.hoisted)
+    _, outputs = span_io(nodes[first.start : first.stop])
+    assert outputs and not any(hasattr(node_value(o), "placements") for o in outputs)
 
 
 def test_finder_without_repeats_says_why():
@@ -412,10 +422,10 @@ def _gloo_shared_vs_eager(rank, world_size, device):
             else:
                 ok = torch.allclose(la, lb, rtol=1e-6, atol=1e-6 * la.abs().max().item())
             report[(inner, k)] = (bool(ok and a.placements == b.placements), (la - lb).abs().max().item())
-        # the layer was shared: at most the prefix (to_locals), one layer
-        # piece and the tail were compiled, of 5 pieces
+        # the layer was shared: at most the prefix (to_locals), one piece for
+        # layers 0-1, the last layer and the tail were compiled, of 5 pieces
         n_fw, n_bw = pieces.count("forward"), pieces.count("backward")
-        report[(inner, "aot_graphs")] = (1 <= n_fw <= 3 and n_bw == n_fw, pieces)
+        report[(inner, "aot_graphs")] = (1 <= n_fw <= 4 and n_bw == n_fw, pieces)
     return report
 
 

@@ -351,7 +351,9 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
     bounds, keys = _align_to_majority(gm, nodes, bounds, keys)
     hoisted, nodes, bounds = _hoist_weights(nodes, bounds)
-    if hoisted:
+    shift = _best_cut(nodes, bounds)
+    if hoisted or shift:
+        bounds = [(a + shift, min(len(nodes), b + shift)) for a, b in bounds]
         keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
     spans = []
     # A span shares only with another span of the same key.
@@ -362,8 +364,37 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     for i, ((a, b), (key, reason)) in enumerate(zip(bounds, keys)):
         if key is not None and counts[key] < 2:
             key, reason = None, "no other layer has the same key (code, placements, mesh, shapes, dtypes or requires_grad differ)"
+        if key is None and reason is not None and reason.startswith("no other layer") and i == len(keys) - 1 and shift:
+            reason = "last layer: the border lies after the next layer's first nodes, which it lacks (Note: [Where layers are cut])"
         spans.append(LayerSpan(i, a, b, key, reason))
     return LayerPlan(p, s, tuple(spans), hoisted=tuple(hoisted))
+
+
+def _best_cut(nodes: Sequence[fx.Node], bounds: Sequence[tuple[int, int]]) -> int:
+    """How far to move every layer border forward.
+
+    Note: [Where layers are cut]
+        A DTensor crossing a piece border costs at run time: AOTAutograd
+        unwraps and wraps it on every call, and checks (and redistributes)
+        its gradient against the placements it traced, where a plain tensor
+        passes as is (measured: about half of the per-layer price of
+        sharing).  So borders move to where the fewest DTensors cross them;
+        in a TP stack that is right after the next layer's ``to_local``.
+        The last layer then lacks those first nodes of a next layer and is
+        compiled as a piece of its own (one extra layer compile).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if len(bounds) < 3:
+        return 0
+    a, b = bounds[1]
+    best = None
+    for r in range(b - a):
+        _, outputs = span_io(nodes[a + r : b + r])
+        cost = (sum(isinstance(node_value(o), DTensor) for o in outputs), len(outputs), r)
+        if best is None or cost < best:
+            best = cost
+    return best[2] if best is not None else 0
 
 
 def _hoist_weights(nodes: list[fx.Node], bounds: list[tuple[int, int]]):
