@@ -144,8 +144,10 @@ def mesh_dim_names(mesh: Any) -> tuple[str, ...]:
     return tuple(str(i) for i in range(ndim))
 
 
-def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+def fetch_attr(gm: fx.GraphModule, target: object) -> Any:
     """``gm.<target>`` for a dotted ``get_attr`` target; AttributeError if missing."""
+    if not isinstance(target, str):
+        raise AssertionError(f"get_attr target {target!r} is not a string")
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part)

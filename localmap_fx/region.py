@@ -11,6 +11,19 @@ In the graph a backend receives it is a run of annotated nodes (see
 After the ``outline_regions`` pass the body is one ``invoke_subgraph`` node
 whose ``meta[META_REGION]`` holds the :class:`RegionSpec`.  :func:`find_regions`
 understands both forms and never mutates the graph.
+
+Note: [Regions inside nested subgraphs]
+    Dynamo traces some calls into a subgraph of a higher-order op: the body
+    of ``torch.utils.checkpoint`` (``tag_activation_checkpoint``), a
+    ``nested_compile_region`` (``invoke_subgraph``), control flow
+    (``cond``'s branches).  A region called there has its nodes in that
+    subgraph, not in the root graph.  :func:`find_regions` therefore walks
+    every subgraph a higher-order op of the graph calls (once per subgraph,
+    at its first call, in program order) and returns its regions too, with
+    ``Region.owner`` (the ``GraphModule`` that holds the nodes) and
+    ``Region.scope`` (its dotted path, ``""`` for the root graph).  A
+    higher-order op that is itself part of a region (a checkpoint inside a
+    body) belongs to that region's body and is not walked.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ __all__ = [
     "RegionSpec",
     "Region",
     "find_regions",
+    "subgraph_calls",
     "META_SPEC",
     "META_ROLE",
     "META_INDEX",
@@ -41,6 +55,8 @@ __all__ = [
     "META_REGION_ID",
     "spec_annotation",
     "placements_str",
+    "role_of",
+    "index_of",
 ]
 
 META_SPEC = "localmap_fx.spec"
@@ -78,14 +94,21 @@ def spec_annotation(
     device_mesh: DeviceMesh | None,
     redistribute_inputs: bool,
     spmd_types: bool,
+    identity: tuple[str, str] | None = None,
 ) -> dict:
     """The constant dict capture puts in ``node.meta["custom"]``.
 
-    Built once per ``local_map`` function, outside traced code: Dynamo only
-    accepts annotation values it can read as Python constants.
+    Built once per ``local_map`` function, normally outside traced code:
+    Dynamo only accepts annotation values it can read as Python constants.
+    ``identity`` = ``(name, definition site)`` of ``func`` when the caller
+    already has them as constants (a ``local_map`` built while Dynamo traces).
     """
-    code = getattr(func, "__code__", None)
-    site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+    if identity is not None:
+        name, site = identity
+    else:
+        code = getattr(func, "__code__", None)
+        site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+        name = getattr(func, "__qualname__", type(func).__name__)
 
     def norm(specs: Any) -> Any:
         # Bad values are kept as given: validation reports them at call time,
@@ -96,7 +119,7 @@ def spec_annotation(
 
     return {
         META_SPEC: {
-            "func": getattr(func, "__qualname__", type(func).__name__),
+            "func": name,
             "func_site": site,
             "in": norm(in_placements),
             "out": norm(out_specs),
@@ -116,7 +139,7 @@ def placements_str(placements: Sequence[Placement] | None) -> str:
     for p in placements:
         name = type(p).__name__
         if name == "Shard":
-            parts.append(f"S({p.dim})")
+            parts.append(f"S({getattr(p, 'dim', '?')})")
         elif name == "Replicate":
             parts.append("R")
         elif name == "Partial":
@@ -190,12 +213,18 @@ class Region:
     inputs: list[RegionInput]
     outputs: list[fx.Node]
     outlined: bool
+    # the GraphModule whose graph holds the nodes, and its dotted path
+    # ("" = the root graph; see Note: [Regions inside nested subgraphs])
+    owner: fx.GraphModule | None = None
+    scope: str = ""
 
-    def local_value(self, arg_index: int) -> fx.Node | None:
-        for i in self.inputs:
-            if i.kind == "arg" and i.index == arg_index:
-                return i.node
-        return None
+
+def index_of(node: fx.Node) -> int:
+    """``META_INDEX`` of an enter or exit node (argument or output index)."""
+    idx = custom_meta(node).get(META_INDEX)
+    if not isinstance(idx, int):
+        raise AssertionError(f"boundary node {node.name} has no {META_INDEX}")
+    return idx
 
 
 def role_of(node: fx.Node) -> str | None:
@@ -237,11 +266,11 @@ def build_spec(ann: dict, enter, body, exits, mesh: DeviceMesh | None = None) ->
     )
 
 
-def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
+def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
     """Split annotated nodes into per-call runs (enter* body* exit*)."""
-    runs: list[tuple[dict, list[fx.Node]]] = []
+    runs: list[tuple[dict | None, list[fx.Node]]] = []
     cur: list[fx.Node] = []
-    cur_ann = None
+    cur_ann: dict | None = None
     last_role = None
     for node in gm.graph.nodes:
         role = role_of(node)
@@ -333,8 +362,9 @@ def _extract(
     owner = torch.nn.Module()
     for n in body:
         if n.op == "get_attr":
-            setattr(owner, n.target.replace(".", "_"), fetch_attr(gm, n.target))
-            env[n] = sub.get_attr(n.target.replace(".", "_"))
+            local_name = str(n.target).replace(".", "_")
+            setattr(owner, local_name, fetch_attr(gm, n.target))
+            env[n] = sub.get_attr(local_name)
             env[n].meta = dict(n.meta)
             continue
         env[n] = sub.node_copy(n, lambda x: env[x])
@@ -342,8 +372,49 @@ def _extract(
     return fx.GraphModule(owner, sub, class_name="region_body"), inputs, outputs
 
 
+def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
+    """``(target, module)`` of every subgraph the higher-order op ``node`` calls."""
+    if node.op != "call_function":
+        return []
+    out = []
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            try:
+                mod = fetch_attr(gm, a.target)
+            except AttributeError:
+                continue
+            if isinstance(mod, fx.GraphModule):
+                out.append((a.target, mod))
+    return out
+
+
 def find_regions(gm: fx.GraphModule) -> list[Region]:
-    """The regions of ``gm`` in program order (read-only)."""
+    """The regions of ``gm`` in program order (read-only), nested subgraphs included."""
+    return _find_regions_in(gm, "", set())
+
+
+def _find_regions_in(gm: fx.GraphModule, scope: str, walked: set[int]) -> list[Region]:
+    walked.add(id(gm))
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    found: list[tuple[int, int, Region]] = []
+    for region in _regions_of_graph(gm):
+        region.owner, region.scope = gm, scope
+        first = min(position[n] for n in (*region.enter_nodes, *region.body_nodes, *region.exit_nodes))
+        found.append((first, 0, region))
+    for node in gm.graph.nodes:
+        if role_of(node) is not None or META_REGION in node.meta:
+            continue  # part of a region: its subgraphs are the region's body
+        for target, sub in subgraph_calls(gm, node):
+            if id(sub) in walked:
+                continue
+            path = f"{scope}.{target}" if scope else target
+            for region in _find_regions_in(sub, path, walked):
+                found.append((position[node], len(found) + 1, region))
+    return [r for _, _, r in sorted(found, key=lambda t: (t[0], t[1]))]
+
+
+def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:
+    """The regions whose nodes are in ``gm.graph`` itself."""
     regions: list[Region] = []
     for ann, nodes in _group_runs(gm):
         outlined = [n for n in nodes if META_REGION in n.meta]
@@ -353,7 +424,10 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             enter = [n for n in nodes if role_of(n) == "enter"]
             exits = [n for n in nodes if role_of(n) == "exit"]
             body = [n for n in nodes if n not in enter and n not in exits]
-            sub = fetch_attr(gm, node.args[0].target)
+            body_attr = node.args[0]
+            if not isinstance(body_attr, fx.Node):
+                raise AssertionError(f"outlined region {node.name} has no subgraph attribute")
+            sub = fetch_attr(gm, body_attr.target)
             regions.append(
                 Region(
                     node=node,

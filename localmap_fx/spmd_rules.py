@@ -64,11 +64,10 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-from torch._ops import OpOverload
-
 import spmd_types as spmd
+import torch
 from spmd_types import I, P, R, V
+from torch._ops import OpOverload
 
 from .graph_utils import NON_COLLECTIVE_OPS, funcol_op
 
@@ -80,10 +79,6 @@ __all__ = [
     "rules",
     "rules_table_markdown",
 ]
-
-# reduce ops whose all_reduce / reduce_scatter are linear maps
-_LINEAR_REDUCE_OPS = ("sum", "avg")
-
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRule:
@@ -275,7 +270,7 @@ def axis_of_group(group: Any):
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return spmd.MeshAxis.of(_resolve_process_group(group))
+        return spmd.MeshAxis.of(_resolve_process_group(group))  # type: ignore[arg-type]  # GroupName is a str NewType
     if isinstance(group, dist.ProcessGroup):
         return spmd.MeshAxis.of(group)
     raise ValueError(
@@ -348,7 +343,7 @@ def _fix_for(rule: CollectiveRule, t) -> str:
 def _type_error(msg: str) -> spmd.SpmdTypeError:
     """An ``SpmdTypeError`` of these rules (marked: see spmd_check._as_eager_text)."""
     e = spmd.SpmdTypeError(msg)
-    e._localmap_fx_rule = True
+    e.__dict__["_localmap_fx_rule"] = True
     return e
 
 

@@ -40,7 +40,8 @@ __all__ = ["collective_rows"]
 
 def _schema_args(node: fx.Node) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for i, a in enumerate(node.target._schema.arguments):
+    target: Any = node.target  # an OpOverload (see is_collective)
+    for i, a in enumerate(target._schema.arguments):
         if i < len(node.args):
             out[a.name] = node.args[i]
         elif a.name in node.kwargs:
@@ -51,8 +52,9 @@ def _schema_args(node: fx.Node) -> dict[str, Any]:
 def _nbytes(val: Any) -> int | str | None:
     if isinstance(val, (list, tuple)):
         parts = [_nbytes(v) for v in val]
-        if all(isinstance(p, int) for p in parts):
-            return sum(parts)
+        ints = [p for p in parts if isinstance(p, int)]
+        if len(ints) == len(parts):
+            return sum(ints)
         return " + ".join(str(p) for p in parts)
     if not isinstance(val, torch.Tensor):
         return None
@@ -106,7 +108,7 @@ def _match_regions(ann: dict, site: str, regions: Sequence[dict]) -> list[str]:
 
 def _producer(node: fx.Node, limit: int = 64) -> fx.Node | None:
     """The nearest region node (annotated) whose value ``node`` consumes."""
-    seen = set()
+    seen: set[fx.Node] = set()
     queue = collections.deque(node.all_input_nodes)
     while queue and len(seen) < limit:
         n = queue.popleft()
@@ -139,7 +141,7 @@ def collective_rows(
         group = args.get("group_name")
         group = getattr(group, "group_name", group)
         group = None if group is None else str(group)
-        g = groups.get(group, {})
+        g = groups.get(group, {}) if group is not None else {}
         size = args.get("group_size", g.get("group_size"))
         inp = args.get("input", args.get("inputs"))
         val = [node_value(x) for x in inp] if isinstance(inp, (list, tuple)) else node_value(inp)

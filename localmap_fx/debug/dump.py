@@ -235,7 +235,7 @@ class FrameInspector:
                 self._region_texts.append(text)
                 self._emit(
                     f"region_{k}.txt",
-                    lambda t=text: t,
+                    _constant(text),
                     f"region r{k} ({r.spec.func}): spec, call site, body at local shapes",
                 )
         elif not self._have_lowered_rows and tables.is_lowered(gm):
@@ -315,6 +315,10 @@ class FrameInspector:
                 user_aot(kind, gm)
 
         return dataclasses.replace(opts, on_stage=on_stage, on_aot_graph=on_aot_graph)
+
+
+def _constant(text: str) -> Callable[[], str]:
+    return lambda: text
 
 
 def tag_regions(regions) -> None:

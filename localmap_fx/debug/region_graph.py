@@ -36,7 +36,7 @@ def region_graph(gm: fx.GraphModule, regions: Sequence[Region] | None = None) ->
     """
     if regions is None:
         regions = find_regions(gm)
-    exit_owner: dict[fx.Node, tuple[int, int]] = {}
+    exit_owner: dict[fx.Node, tuple[int, int | None]] = {}
     for k, r in enumerate(regions):
         for e in r.exit_nodes:
             exit_owner[e] = (k, custom_meta(e).get(META_INDEX))
@@ -45,7 +45,8 @@ def region_graph(gm: fx.GraphModule, regions: Sequence[Region] | None = None) ->
     def sources(start: fx.Node, limit: int = 256) -> list[tuple]:
         """Nearest region exits / DTensor placeholders upstream of ``start``
         (``direct`` when no user op sits in between)."""
-        found, seen = [], set()
+        found: list[tuple] = []
+        seen: set[fx.Node] = set()
         queue = collections.deque((a, True) for a in start.all_input_nodes)
         while queue and len(seen) < limit:
             n, direct = queue.popleft()
@@ -91,10 +92,10 @@ def region_graph(gm: fx.GraphModule, regions: Sequence[Region] | None = None) ->
             if idx is not None and idx not in first_enter:
                 first_enter[idx] = n
         for idx, n in sorted(first_enter.items()):
-            e = info.get(idx, {})
-            label = e.get("placements") or "?"
-            if e.get("arrived") and e.get("arrived") != e.get("placements"):
-                label = f"{e['arrived']}->{e.get('placements')}"
+            entry = info.get(idx, {})
+            label = entry.get("placements") or "?"
+            if entry.get("arrived") and entry.get("arrived") != entry.get("placements"):
+                label = f"{entry['arrived']}->{entry.get('placements')}"
             for kind, what, is_direct in sources(n):
                 src = input_id(what) if kind == "input" else f"r{what[0]}"
                 edges.append(

@@ -31,7 +31,7 @@ from ..graph_utils import (
     mesh_dim_names,
     node_value,
 )
-from ..region import META_INDEX, META_LOWERED, META_PLAN, Region, find_regions, placements_str
+from ..region import META_INDEX, META_LOWERED, META_PLAN, Region, find_regions, index_of, placements_str
 from .formatting import tensor_text
 
 __all__ = [
@@ -141,6 +141,7 @@ def region_text(region_id: str, region: Region) -> str:
         f"# spec:      {spec.text()}",
         f"# defined:   {spec.func_site}",
         f"# called at: {spec.call_site} in {spec.call_function}",
+        *([f"# inside:    nested subgraph {region.scope}"] if region.scope else []),
         "# inputs:    " + ("; ".join(ins) or "-"),
         "# outputs:   " + ("; ".join(outs) or "-"),
         "# The body below runs on every rank, on local tensors (local shapes).",
@@ -180,7 +181,7 @@ def exit_info(region: Region) -> dict[int, dict]:
     for node in region.exit_nodes:
         if not is_from_local(node):
             continue
-        j = custom_meta(node).get(META_INDEX)
+        j = index_of(node)
         val = node_value(node)
         grad = node.kwargs.get("grad_placements")
         out[j] = {
@@ -206,7 +207,7 @@ def region_rows(gm: fx.GraphModule, regions: Sequence[Region] | None = None) -> 
         inputs = []
         for i in region.inputs:
             if i.kind == "arg":
-                e = enter.get(i.index, {})
+                e = enter.get(i.index, {}) if i.index is not None else {}
                 inputs.append(
                     {
                         "arg": i.index,
@@ -223,11 +224,11 @@ def region_rows(gm: fx.GraphModule, regions: Sequence[Region] | None = None) -> 
                 )
         outputs = []
         for j, spec_j in enumerate(spec.out_placements):
-            e = exits.get(j)
-            if e is None:
+            ex = exits.get(j)
+            if ex is None:
                 outputs.append({"index": j, "placements": placements_text(spec_j), "grad": None, "local": None})
             else:
-                outputs.append({"index": j, **e})
+                outputs.append({"index": j, **ex})
         rows.append(
             {
                 "id": f"r{k}",
@@ -243,6 +244,7 @@ def region_rows(gm: fx.GraphModule, regions: Sequence[Region] | None = None) -> 
                 "redistribute_inputs": spec.redistribute_inputs,
                 "spmd_types": spec.spmd_types,
                 "outlined": region.outlined,
+                "scope": region.scope,
                 "inputs": inputs,
                 "outputs": outputs,
             }

@@ -30,8 +30,8 @@ import torch.fx as fx
 from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Placement
 
-from ..graph_utils import custom_meta, is_from_local, is_redistribute, is_to_local, node_value
-from ..region import META_INDEX, META_LOWERED, META_PLAN, Region, find_regions
+from ..graph_utils import is_from_local, is_redistribute, is_to_local, node_value
+from ..region import META_LOWERED, META_PLAN, Region, find_regions, index_of
 from .plan import RedistributePlan, plan_redistribute
 from .spmd_check import out_grad_placements_for, typed_in_grad_placements
 
@@ -55,7 +55,9 @@ def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Bounda
     out: list[Boundary] = []
     spec = region.spec
     for node in region.enter_nodes:
-        idx = custom_meta(node).get(META_INDEX)
+        if not (is_redistribute(node) or is_to_local(node)):
+            continue
+        idx = index_of(node)
         if is_redistribute(node):
             src_val, dst_val = node_value(node.args[0]), node_value(node)
             plan = plan_redistribute(
@@ -71,8 +73,9 @@ def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Bounda
         elif is_to_local(node):
             src = node_value(node.args[0])
             placements = tuple(src.placements)
-            if spec.in_grad_placements is not None:
-                grad = tuple(spec.in_grad_placements[idx])
+            given = spec.in_grad_placements[idx] if spec.in_grad_placements is not None else None
+            if given is not None:
+                grad = tuple(given)
             else:
                 grad = _normalize_placements_for_grad(placements)
                 if spec.spmd_types and typecheck != "off":  # the SPMD type's (R -> Partial)
@@ -92,7 +95,7 @@ def _exit_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundar
     for node in region.exit_nodes:
         if not is_from_local(node):
             continue
-        j = custom_meta(node).get(META_INDEX)
+        j = index_of(node)
         placements = tuple(node_value(node).placements)
         if derived is not None:
             grad = derived[j]
@@ -126,12 +129,13 @@ def rewrite_boundary(b: Boundary) -> None:
         node.meta[META_PLAN] = b.plan
     elif b.kind == "to_local":
         node.args = node.args[:1]
-        node.kwargs = {"grad_placements": b.grad_placements}
+        node.kwargs = {"grad_placements": b.grad_placements}  # type: ignore[dict-item]  # fx accepts placements
     elif b.kind == "from_local":
         local, mesh = node.args[0], node.args[1]
-        node.args = (local, mesh, b.placements)
+        # fx stores any Python constant; its Argument type does not list Placement
+        node.args = (local, mesh, b.placements)  # type: ignore[assignment]
         # shape/stride (uneven sharding, see localmap_fx.shapes) stay as captured
-        node.kwargs = {**node.kwargs, "run_check": False, "grad_placements": b.grad_placements}
+        node.kwargs = {**node.kwargs, "run_check": False, "grad_placements": b.grad_placements}  # type: ignore[dict-item]
     else:
         raise AssertionError(f"unknown boundary kind {b.kind}")
     node.meta[META_LOWERED] = True
@@ -145,5 +149,8 @@ def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:
     """
     for b in find_boundaries(gm, typecheck=typecheck):
         rewrite_boundary(b)
-    gm.recompile()
+    # regions inside nested subgraphs (checkpoint bodies...) live in submodules
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            m.recompile()
     return gm

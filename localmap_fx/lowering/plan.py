@@ -61,10 +61,6 @@ class RedistributePlan:
     dst: tuple[Placement, ...]
     steps: tuple[RedistributeStep, ...]
 
-    @property
-    def collectives(self) -> tuple[RedistributeStep, ...]:
-        return tuple(s for s in self.steps if s.collective != "local")
-
     def text(self) -> str:
         if not self.steps:
             return "noop"

@@ -15,6 +15,7 @@ decide as eagerly.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -23,8 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import spmd
 from ..errors import region_error
-from ..graph_utils import custom_meta, is_wrapper_frame, node_value, stack_frames
-from ..region import META_INDEX, Region
+from ..graph_utils import Frame, is_wrapper_frame, node_value, stack_frames
+from ..region import Region, index_of
 
 __all__ = ["out_grad_placements_for", "typed_in_grad_placements"]
 
@@ -73,7 +74,7 @@ def _run_checked(region: Region) -> tuple:
     in_specs: list = []
     in_grads: list = []
     for inp, fake in zip(region.inputs, fakes):
-        if inp.kind == "arg":
+        if inp.kind == "arg" and inp.index is not None:
             flat_args.append(fake)
             in_specs.append(spec.in_placements[inp.index] if spec.in_placements else None)
             in_grads.append(
@@ -92,15 +93,15 @@ def _run_checked(region: Region) -> tuple:
     except Exception as e:
         e.__dict__["_localmap_fx_node"] = interp.node
         raise
-    by_node = dict(zip(region.outputs, outs))
-    flat_out = []
-    exit_by_index = {custom_meta(e)[META_INDEX]: e for e in region.exit_nodes}
-    for j, s in enumerate(spec.out_placements):
-        e = exit_by_index.get(j)
-        if e is None:
+    by_node: dict[Any, Any] = dict(zip(region.outputs, outs))
+    flat_out: list = []
+    exit_by_index = {index_of(x): x for x in region.exit_nodes}
+    for j in range(len(spec.out_placements)):
+        x = exit_by_index.get(j)
+        if x is None:
             flat_out.append(_NON_TENSOR)
         else:
-            flat_out.append(by_node[e.args[0]])
+            flat_out.append(by_node[x.args[0]])
     return spmd.out_grad_placements(flat_out, spec.out_placements, mesh)
 
 
@@ -130,8 +131,9 @@ def out_grad_placements_for(region: Region) -> tuple:
 
 
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, spmd.spmd)
-    if m is not None and getattr(m, "__file__", None)
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (getattr(m, "__file__", None) for m in (torch, spmd.spmd))
+    if path
 ) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
@@ -144,7 +146,7 @@ def _body_line(node: fx.Node | None) -> str:
     """
     if node is None or node.op in ("placeholder", "output"):
         return ""
-    body = []
+    body: list[Frame] = []
     for frame in stack_frames(node.stack_trace):
         if is_wrapper_frame(frame):
             body = []  # frames after the call of the body
@@ -152,7 +154,7 @@ def _body_line(node: fx.Node | None) -> str:
         body.append(frame)
     user = [f for f in body if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
     if not user:
-        return node.format_node()
+        return node.format_node() or node.name
     f = user[-1]
     where = f"{f.site} ({f.function})"
     return f"{where}: {f.code}" if f.code else where

@@ -10,7 +10,7 @@ import torch.fx as fx
 from ..backend import backend
 from ..graph_utils import collective_name, is_collective
 
-__all__ = ["Recorder", "normalized", "collective_counts", "eager_collective_counts"]
+__all__ = ["Recorder", "normalized", "model_sites", "collective_counts", "eager_collective_counts"]
 
 
 class Recorder:
@@ -60,6 +60,35 @@ def normalized(gm: fx.GraphModule) -> str:
     text = "\n".join(lines)
     text = text.replace("torch.distributed.tensor.placement_types.", "")
     return text + "\n"
+
+
+_MODEL_SITE = re.compile(r"\bmodels\.py:(\d+)")
+
+
+def model_sites(text: str) -> str:
+    """``models.py:77`` -> ``models.py:_tp_mlp_step+3`` (line relative to its function).
+
+    Pinned texts then survive edits elsewhere in :mod:`localmap_fx.testing.models`
+    while still saying which line of which function a call site is.
+    """
+    from . import models
+
+    starts = _function_starts(models.__file__)
+
+    def sub(m: re.Match) -> str:
+        line = int(m.group(1))
+        name, first = max(((n, s) for n, s in starts if s <= line), key=lambda x: x[1], default=("?", 0))
+        return f"models.py:{name}+{line - first}"
+
+    return _MODEL_SITE.sub(sub, text)
+
+
+def _function_starts(path: str) -> list[tuple[str, int]]:
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [(n.name, n.lineno) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def collective_counts(gms) -> Counter:
