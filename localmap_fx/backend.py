@@ -172,10 +172,8 @@ def layer_sharing_decision(plan, share_layers: bool | str) -> str | None:
     if not plan.shared:
         return plan.reason or "no two layers share a key"
     if share_layers == "auto":
-        counts: dict = {}
-        for s in plan.shared:
-            counts[s.key] = counts.get(s.key, 0) + 1
-        most = max(counts.values())
+        # layers found (the last one may be its own piece: Note: [Where layers are cut])
+        most = len(plan.spans)
         if most < AUTO_MIN_LAYERS:
             return (f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "
                     "one graph fuses across layer borders")

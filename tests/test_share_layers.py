@@ -430,7 +430,7 @@ def _gloo_shared_vs_eager(rank, world_size, device):
 
 
 def test_shared_layers_on_gloo_equal_eager():
-    from dist_harness import run_ranks
+    from localmap_fx.testing.dist import run_ranks
 
     results = run_ranks(_gloo_shared_vs_eager, world_size=2, timeout=600)
     bad = {(r, k): v for r, rep in enumerate(results) for k, v in rep.items() if not v[0]}
