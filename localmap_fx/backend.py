@@ -195,7 +195,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     """Run the pipeline on a Dynamo graph and hand it to the inner compiler."""
     from .compile_pieces import compile_pieces
     from .passes.inline_bodies import inline_bodies
-    from .passes.share_layers import find_layer_spans, split_layers
+    from .passes.share_layers import LayerPlan, find_layer_spans, split_layers
 
     from .debug.dump import inspector_for
 
@@ -217,7 +217,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     gm = inline_bodies(gm)
     if inspector is not None:
         inspector.lowered(gm)
-    plan = find_layer_spans(gm)
+    try:
+        plan = find_layer_spans(gm)
+    except KeyError as e:
+        # TODO(issue #10): find_regions cannot regroup some inlined shared
+        # bodies (tests/test_reuse.py, calls differing in placements); the
+        # inlined graph is valid, so compile it whole.
+        plan = LayerPlan(0, 0, (), f"regions not recoverable after inlining ({e!r})")
     why_whole = layer_sharing_decision(plan, opts.share_layers)
     if why_whole is not None:
         if inspector is not None:
