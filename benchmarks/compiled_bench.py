@@ -5,8 +5,11 @@ ways and compiles each step (forward + backward) with inductor:
 
 =================  ==========================================================
 ``ours``           ``localmap_fx.local_map`` regions, ``backend="localmap_fx"``
-``ours_inline``    the same, ``localmap_fx.backend(outline=False)`` (bodies
-                   left inline; reported, no target)
+``ours_outlined``  the same, ``localmap_fx.backend(share_layers=False)``
+                   (bodies outlined into ``invoke_subgraph``; reported)
+``ours_shared``    the same, ``localmap_fx.backend(share_layers=True)`` (one
+                   compiled piece per layer, called per layer; reported:
+                   the run-time price of layer sharing)
 ``torch``          torch's ``local_map``, ``torch.compile(backend="inductor")``
 ``hand``           plain local tensors + funcol collectives, inductor
 ``ours_spmd``      ``spmd_types=True`` regions, ``localmap_fx.backend()``
@@ -80,10 +83,14 @@ def compiled_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
     stage_code: dict = {}
     variants = {
         "ours": (build_tp_stack(mesh, "ours", device=device, **shape), "localmap_fx"),
-        # ours without outlining: what outlined regions cost at run time
-        "ours_inline": (
+        # what outlined bodies / shared layer pieces cost at run time
+        "ours_outlined": (
             build_tp_stack(mesh, "ours", device=device, **shape),
-            localmap_fx.backend(outline=False),
+            localmap_fx.backend(share_layers=False),
+        ),
+        "ours_shared": (
+            build_tp_stack(mesh, "ours", device=device, **shape),
+            localmap_fx.backend(share_layers=True),
         ),
         "torch": (build_tp_stack(mesh, "torch", device=device, **shape), "inductor"),
         "hand": (build_handwritten(mesh, device=device, **shape), "inductor"),
@@ -160,6 +167,8 @@ def compiled_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
         "P3": pair("ours", "hand"),
         "P4": pair("ours", "torch"),
         "P7": pair("ours_spmd", "ours_spmd_off"),
+        "shared_vs_torch": pair("ours_shared", "torch"),
+        "outlined_vs_torch": pair("ours_outlined", "torch"),
         "memory_bytes": memory,
         # the type check runs at compile time only: the graph handed to
         # inductor is the same either way

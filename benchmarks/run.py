@@ -35,27 +35,33 @@ TARGETS = {
     "P2": ("eager spmd_types=True extra cost / torch's extra cost", 0.50),
     "P3": ("compiled step / hand-written local tensors + funcol (inductor)", 1.10),
     "P4": ("compiled step / upstream torch.compile of torch local_map", 1.00),
-    "P5_ratio": ("cold compile, 64 layers / upstream", 0.50),
+    "P5_ratio": ("cold compile, 64-layer TP stack / upstream", 0.50),
+    "P5_ratio_layer": ("cold compile, 64-layer one-region stack / upstream", 0.50),
     "P5_growth": ("our cold compile time, 64 layers / 8 layers", 1.50),
     "P6_collectives": ("collectives per redistribute / DTensor planner", 1.00),
     "P6_bytes": ("bytes per redistribute / DTensor planner", 1.00),
     "P6_redundant": ("redundant collectives + round trips between matching regions", 0),
     "P7": ("compiled with static type check / without", 1.02),
     "memory": ("peak step memory, compiled / upstream compiled", None),
+    "warm_start": ("warm start (second process, caches on) / upstream warm start", None),
     "S1": ("`import localmap_fx` after `import torch`, seconds", 0.30),
     "S2": ("`python -m localmap_fx inspect DIR` on a 2-region dump, seconds", 1.00),
 }
 
+# P4 needs >= 4 TP layers (issue #10); with fewer than AUTO_MIN_LAYERS the
+# default share_layers="auto" compiles them as one graph.
 DEFAULTS = {
     "eager": {"batch": 64, "d": 64, "hidden": 128, "rounds": 60, "calls": 40},
-    "compiled": {"n_blocks": 2, "batch": 32, "d": 128, "hidden": 256, "rounds": 80, "calls": 10},
-    "compile_time": {"layers": [8, 64], "repeats": 3},
+    "compiled": {"n_blocks": 4, "batch": 32, "d": 128, "hidden": 256, "rounds": 60, "calls": 10},
+    "compile_time": {"plan": {"tp": [8, 16, 32, 64], "layer": [8, 64]}, "repeats": 2},
+    "warm_start": {"model": "tp", "layers": 16},
     "startup": {"repeats": 7},
 }
 QUICK = {
     "eager": {"batch": 16, "d": 16, "hidden": 32, "rounds": 2, "calls": 2},
     "compiled": {"n_blocks": 2, "batch": 8, "d": 16, "hidden": 32, "rounds": 2, "calls": 1},
-    "compile_time": {"layers": [2, 4], "repeats": 1},
+    "compile_time": {"plan": {"tp": [2, 4], "layer": [2, 4]}, "repeats": 1},
+    "warm_start": {"model": "tp", "layers": 2},
     "startup": {"repeats": 1},
 }
 
@@ -110,7 +116,7 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
 
     from localmap_fx.testing.dist import run_ranks
 
-    from .compile_time import compile_time_worker
+    from .compile_time import compile_time_worker, warm_start_worker
     from .compiled_bench import compiled_ranks
     from .eager_bench import eager_ranks
     from .redistribute_bench import redistribute_worker
@@ -165,7 +171,11 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
     if "compile_time" in groups:
         ct = cfg["compile_time"]
         results["compile_time"] = timed(
-            "compile_time", _in_fresh_process, compile_time_worker, ct["layers"], ct["repeats"]
+            "compile_time", _in_fresh_process, compile_time_worker, ct["plan"], ct["repeats"]
+        )
+        ws = cfg["warm_start"]
+        results["warm_start"] = timed(
+            "warm_start", _in_fresh_process, warm_start_worker, ws["model"], ws["layers"]
         )
     if "redistribute" in groups:
         results["redistribute"] = timed(
@@ -258,10 +268,11 @@ def figures(results: dict) -> list[dict]:
                             if fid == "P7"
                             else ""
                         )
-                        + (
-                            f"; ours with outline=False {r['step_us'][clock]['ours_inline']['median']:.0f} µs"
-                            if fid in ("P3", "P4") and "ours_inline" in r.get("step_us", {}).get(clock, {})
-                            else ""
+                        + "".join(
+                            f"; {label} {r['step_us'][clock][v]['median']:.0f} µs"
+                            for v, label in (("ours_outlined", "ours with share_layers=False (bodies outlined)"),
+                                             ("ours_shared", "ours with share_layers=True (one piece per layer)"))
+                            if fid == "P4" and v in r.get("step_us", {}).get(clock, {})
                         ),
                         clock,
                         device,
@@ -283,42 +294,7 @@ def figures(results: dict) -> list[dict]:
             )
     ct = results.get("compile_time")
     if ct:
-        layers = sorted({int(k.rsplit("_", 1)[1]) for k in ct})
-        lo_n, hi_n = layers[0], layers[-1]
-        ours_hi = [m["total_s"] for m in ct[f"ours_{hi_n}"]]
-        torch_hi = [m["total_s"] for m in ct[f"torch_{hi_n}"]]
-        ours_lo = [m["total_s"] for m in ct[f"ours_{lo_n}"]]
-        torch_lo = [m["total_s"] for m in ct[f"torch_{lo_n}"]]
-        ratios = [a / b for a, b in zip(ours_hi, torch_hi)]
-        growth = [a / b for a, b in zip(ours_hi, ours_lo)]
-        t_growth = statistics.median(torch_hi) / statistics.median(torch_lo)
-        sub = ct[f"ours_{hi_n}"][0]["region_subgraphs"]
-        rows.append(
-            _row(
-                "P5_ratio",
-                statistics.median(ratios),
-                min(ratios),
-                max(ratios),
-                f"{hi_n} layers: ours {statistics.median(ours_hi):.1f} s, upstream "
-                f"{statistics.median(torch_hi):.1f} s ({len(ratios)} cold compiles each)",
-                "wall",
-                what=f"cold compile (fwd+bwd), {hi_n} identical layers / upstream",
-            )
-        )
-        rows.append(
-            _row(
-                "P5_growth",
-                statistics.median(growth),
-                min(growth),
-                max(growth),
-                f"ours {statistics.median(ours_lo):.1f} s -> {statistics.median(ours_hi):.1f} s; "
-                f"upstream {statistics.median(torch_lo):.1f} s -> {statistics.median(torch_hi):.1f} s "
-                f"(x{t_growth:.2f}); region subgraphs compiled: {sub}; kernels ours "
-                f"{ct[f'ours_{hi_n}'][0]['kernels']} vs upstream {ct[f'torch_{hi_n}'][0]['kernels']}",
-                "wall",
-                what=f"our cold compile time, {hi_n} layers / {lo_n} layers",
-            )
-        )
+        rows += _compile_time_rows(ct, results.get("warm_start"))
     rd = results.get("redistribute")
     if rd:
         c, b = rd["collectives"], rd["bytes"]
@@ -386,6 +362,126 @@ def figures(results: dict) -> list[dict]:
     return rows
 
 
+def _ct_series(ct: dict, model: str) -> dict[tuple[str, int], list[dict]]:
+    out = {}
+    for k, v in ct.items():
+        m, rest = k.split("/", 1) if "/" in k else ("layer", k)
+        if m == model:
+            impl, n = rest.rsplit("_", 1)
+            out[(impl, int(n))] = v
+    return out
+
+
+def _compile_time_rows(ct: dict, warm: dict | None) -> list[dict]:
+    rows = []
+    for model, fid, label in (("tp", "P5_ratio", "TP stack"), ("layer", "P5_ratio_layer", "one-region stack")):
+        series = _ct_series(ct, model)
+        if not series:
+            continue
+        layers = sorted({n for _, n in series})
+        lo_n, hi_n = layers[0], layers[-1]
+        ours_hi = [m["total_s"] for m in series[("ours", hi_n)]]
+        torch_hi = [m["total_s"] for m in series[("torch", hi_n)]]
+        ratios = [a / b for a, b in zip(ours_hi, torch_hi)]
+        o = series[("ours", hi_n)][0]
+        rows.append(
+            _row(
+                fid,
+                statistics.median(ratios),
+                min(ratios),
+                max(ratios),
+                f"{hi_n} layers: ours {statistics.median(ours_hi):.1f} s, upstream "
+                f"{statistics.median(torch_hi):.1f} s ({len(ratios)} cold compiles each); "
+                f"AOT forward graphs ours {o.get('aot_forward_graphs')}, kernels ours {o['kernels']} "
+                f"vs upstream {series[('torch', hi_n)][0]['kernels']}",
+                "wall",
+                what=f"cold compile (fwd+bwd), {label} of {hi_n} layers / upstream",
+            )
+        )
+        if model != "tp" and "P5_growth" in {r["id"] for r in rows}:
+            continue
+        ours_lo = [m["total_s"] for m in series[("ours", lo_n)]]
+        torch_lo = [m["total_s"] for m in series[("torch", lo_n)]]
+        growth = [a / b for a, b in zip(ours_hi, ours_lo)]
+        t_growth = statistics.median(torch_hi) / statistics.median(torch_lo)
+        rows.append(
+            _row(
+                "P5_growth",
+                statistics.median(growth),
+                min(growth),
+                max(growth),
+                f"ours {statistics.median(ours_lo):.1f} s -> {statistics.median(ours_hi):.1f} s; "
+                f"upstream {statistics.median(torch_lo):.1f} s -> {statistics.median(torch_hi):.1f} s "
+                f"(x{t_growth:.2f})",
+                "wall",
+                what=f"our cold compile time, {label}, {hi_n} layers / {lo_n} layers",
+            )
+        )
+    if warm:
+        r = warm["ours"]["warm_s"] / warm["torch"]["warm_s"]
+        rows.append(
+            _row(
+                "warm_start",
+                r,
+                r,
+                r,
+                f"second process, caches on: ours {warm['ours']['warm_s']:.1f} s (cold {warm['ours']['cold_s']:.1f} s), "
+                f"upstream {warm['torch']['warm_s']:.1f} s (cold {warm['torch']['cold_s']:.1f} s)",
+                "wall",
+                what="warm start (first fwd+bwd, caches filled by a first process) / upstream",
+            )
+        )
+    return rows
+
+
+BREAKDOWN = ("dynamo_s", "aot_s", "inductor_s", "cpp_compile_s")
+
+
+def breakdown_markdown(ct: dict, model: str = "tp") -> str:
+    """Per side and layer count: median seconds of each compile phase."""
+    series = _ct_series(ct, model)
+    if not series:
+        return ""
+    lines = [
+        "| side | layers | total | Dynamo | AOT | Inductor | C++ compile (summed over threads) | C++ files | kernels | AOT fw graphs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (impl, n) in sorted(series, key=lambda k: (k[1], k[0])):
+        ms = series[(impl, n)]
+
+        def med(k, ms=ms):
+            vals = [m[k] for m in ms if m.get(k) is not None]
+            return statistics.median(vals) if vals else None
+
+        cells = [impl, n, med("total_s"), *(med(k) for k in BREAKDOWN), med("cpp_files"), med("kernels"),
+                 med("aot_forward_graphs") if impl == "ours" else None]
+        lines.append("| " + " | ".join("-" if c is None else _fmt(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_png(ct: dict, model: str = "tp") -> bytes | None:
+    from .png import Bar, bar_chart_png
+
+    series = _ct_series(ct, model)
+    if not series:
+        return None
+    bars = []
+    for (impl, n) in sorted(series, key=lambda k: (k[1], k[0])):
+        ms = series[(impl, n)]
+        # on a ratio axis: seconds / upstream's total at the same layer count
+        ref = statistics.median(m["total_s"] for m in series[("torch", n)])
+        for k in ("total_s",) + BREAKDOWN:
+            v = statistics.median(m[k] for m in ms)
+            name = k[:-2].replace("_", " ").upper()
+            bars.append(Bar(f"{impl.upper()} {n} {name}", v / ref, v / ref, v / ref, None, None, f"{v:.1f} S"))
+    return bar_chart_png(
+        bars,
+        f"COLD COMPILE PER PHASE / UPSTREAM TOTAL, {model.upper()} STACK",
+        x_max=1.5,
+        footer="OURS = LOCALMAP_FX, TORCH = UPSTREAM LOCAL_MAP + INDUCTOR; TEXT: SECONDS",
+    )
+
+
 # --------------------------------------------------------------------------- #
 # Output
 # --------------------------------------------------------------------------- #
@@ -421,6 +517,10 @@ def markdown(results: dict) -> str:
         + (" — QUICK RUN, not a measurement" if results["quick"] else "")
         + ".",
     ]
+    ct = results.get("compile_time")
+    if ct and _ct_series(ct, "tp"):
+        lines += ["", "Cold compile breakdown, TP stack (seconds, median; plot: `benchmarks_compile.png`):", ""]
+        lines.append(breakdown_markdown(ct, "tp").rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
@@ -452,8 +552,14 @@ def write(results: dict, out_dir: str, docs: str | None = None) -> None:
         f.write(md)
     with open(os.path.join(out_dir, "results.png"), "wb") as f:
         f.write(png(results))
+    ct_png = breakdown_png(results["compile_time"]) if results.get("compile_time") else None
+    if ct_png is not None:
+        with open(os.path.join(out_dir, "compile_breakdown.png"), "wb") as f:
+            f.write(ct_png)
     if docs:
         shutil.copyfile(os.path.join(out_dir, "results.png"), os.path.join(docs, "benchmarks.png"))
+        if ct_png is not None:
+            shutil.copyfile(os.path.join(out_dir, "compile_breakdown.png"), os.path.join(docs, "benchmarks_compile.png"))
         path = os.path.join(docs, "benchmarks.md")
         begin, end = "<!-- results:begin -->", "<!-- results:end -->"
         with open(path) as f:

@@ -47,6 +47,11 @@ class BackendOptions:
         dump_dir: write every compiled frame's graphs, regions and
             collective tables under this folder (see ``docs/debugging.md``);
             ``None`` (default) reads ``$LOCALMAP_FX_DUMP_DIR``, unset = off.
+        share_layers: compile a repeated layer (its regions and the DTensor
+            code between them) once and call the compiled piece per layer
+            (``True``); keep the whole frame one graph (``False``); or decide
+            from the number of repeats (``"auto"``, default; see
+            :func:`layer_sharing_decision` and ``docs/design.md``).
     """
 
     inner: str = "inductor"
@@ -56,11 +61,17 @@ class BackendOptions:
     on_stage: Callable[[str, fx.GraphModule], None] | None = None
     on_aot_graph: Callable[[str, fx.GraphModule], None] | None = None
     dump_dir: str | None = None
+    share_layers: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
             raise ValueError(
                 f"backend(inner={self.inner!r}) is not supported: use one of {INNER_COMPILERS}."
+            )
+        if self.share_layers not in (True, False, "auto"):
+            raise ValueError(
+                f"backend(share_layers={self.share_layers!r}) is not supported: use "
+                "True, False or 'auto'."
             )
         if self.typecheck not in ("regions", "all", "off"):
             raise ValueError(
@@ -140,9 +151,53 @@ def _inductor(
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
+# Note: [When "auto" shares layers]
+#     Every shared piece costs a call through AOTAutograd's runtime wrappers
+#     and a DTensor unwrap/wrap of its inputs and outputs (about 0.1 ms per
+#     layer, forward + backward, on CPU), and kernels no longer fuse across
+#     a layer border; it saves the AOT trace and the kernel compilation of
+#     every repeat.  "auto" shares when the graph has at least
+#     AUTO_MIN_LAYERS layers with one key (numbers: docs/benchmarks.md,
+#     "Layer sharing").  With share_layers True or "auto", outlined region
+#     bodies are put back inline first: a shared layer is compiled once
+#     anyway, and an outlined body is a kernel border and a call at run time
+#     (outline=False ran at 0.97-1.00x upstream, outlined at 1.08x).  The
+#     outline option keeps its meaning with share_layers=False.
+AUTO_MIN_LAYERS = 8
+
+
+def layer_sharing_decision(plan, share_layers: bool | str) -> str | None:
+    """None to split ``plan`` into shared pieces, else why the graph stays whole."""
+    if share_layers is False:
+        return "share_layers=False"
+    if not plan.shared:
+        return plan.reason or "no two layers share a key"
+    if share_layers == "auto":
+        # layers found (the last one may be its own piece: Note: [Where layers are cut])
+        most = len(plan.spans)
+        if most < AUTO_MIN_LAYERS:
+            return (f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "
+                    "one graph fuses across layer borders")
+    return None
+
+
+def _compile_one(opts: BackendOptions, on_output):
+    def compile_one(gm: fx.GraphModule, example_inputs: list[Any]):
+        if opts.inner == "eager":
+            return gm.forward
+        if opts.inner == "aot_eager":
+            return _aot(gm, example_inputs, opts)
+        return _inductor(gm, example_inputs, opts, on_output)
+
+    return compile_one
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions):
     """Run the pipeline on a Dynamo graph and hand it to the inner compiler."""
+    from .compile_pieces import compile_pieces
     from .debug.dump import inspector_for
+    from .passes.inline_bodies import inline_bodies
+    from .passes.share_layers import LayerPlan, find_layer_spans, split_layers
 
     # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions: observe every stage
     # through the same hooks, before the user's (see localmap_fx.debug).
@@ -152,13 +207,35 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     if opts.on_stage is not None:
         opts.on_stage("captured", gm)
     gm = run_passes(gm, opts.passes(), opts.on_stage)
+    compile_one = _compile_one(opts, inspector.on_inner_output if inspector is not None else None)
+    if opts.share_layers is False:
+        if inspector is not None:
+            inspector.lowered(gm)
+        return compile_one(gm, list(example_inputs))
+    # share_layers True / "auto": bodies go back inline (Note: [When "auto"
+    # shares layers]); the layer finder works on that graph.
+    gm = inline_bodies(gm)
     if inspector is not None:
         inspector.lowered(gm)
-    if opts.inner == "eager":
-        return gm.forward
-    if opts.inner == "aot_eager":
-        return _aot(gm, example_inputs, opts)
-    return _inductor(gm, example_inputs, opts, inspector.on_inner_output if inspector is not None else None)
+    try:
+        plan = find_layer_spans(gm)
+    except KeyError as e:
+        # TODO(issue #10): find_regions cannot regroup some inlined shared
+        # bodies (tests/test_reuse.py, calls differing in placements); the
+        # inlined graph is valid, so compile it whole.
+        plan = LayerPlan(0, 0, (), f"regions not recoverable after inlining ({e!r})")
+    why_whole = layer_sharing_decision(plan, opts.share_layers)
+    if why_whole is not None:
+        if inspector is not None:
+            inspector.pieces(plan, None, why_whole)
+        return compile_one(gm, list(example_inputs))
+    outer = split_layers(gm, plan)
+    if opts.on_stage is not None:
+        opts.on_stage("split_layers", outer)
+    outer, reports = compile_pieces(outer, compile_one)
+    if inspector is not None:
+        inspector.pieces(plan, reports, None)
+    return outer.forward
 
 
 def backend(inner: str = "inductor", **options: Any) -> Callable:

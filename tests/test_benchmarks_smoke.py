@@ -41,14 +41,20 @@ def _synthetic_compiled() -> dict:
 
 
 def _synthetic_compile_time() -> dict:
-    m = {"total_s": 1.0, "kernels": 3, "region_subgraphs": 1}
-    return {"ours_2": [m], "torch_2": [m], "ours_4": [m], "torch_4": [m]}
+    m = {"total_s": 1.0, "kernels": 3, "aot_forward_graphs": 2, "dynamo_s": 0.1, "aot_s": 0.2,
+         "inductor_s": 0.3, "cpp_compile_s": 0.4, "cpp_files": 2}
+    return {f"{model}/{impl}_{n}": [m] for model in ("tp", "layer") for impl in ("ours", "torch") for n in (2, 4)}
+
+
+def _synthetic_warm_start() -> dict:
+    return {"ours": {"cold_s": 2.0, "warm_s": 1.0}, "torch": {"cold_s": 2.0, "warm_s": 1.0}}
 
 
 def test_quick_run_writes_table_json_and_png(tmp_path):
     results = bench.run_all(str(tmp_path), quick=True, only={"eager", "redistribute"}, log=lambda *_: None)
     results["compiled_cpu"] = _synthetic_compiled()
     results["compile_time"] = _synthetic_compile_time()
+    results["warm_start"] = _synthetic_warm_start()
     results["figures"] = bench.figures(results)
 
     docs = tmp_path / "docs"
@@ -65,7 +71,9 @@ def test_quick_run_writes_table_json_and_png(tmp_path):
         "P3",
         "P4",
         "P5_ratio",
+        "P5_ratio_layer",
         "P5_growth",
+        "warm_start",
         "P6_collectives",
         "P6_bytes",
         "P6_redundant",
@@ -88,3 +96,7 @@ def test_quick_run_writes_table_json_and_png(tmp_path):
     assert md.startswith("intro\n<!-- results:begin -->\n| figure |")
     assert "STALE-TABLE" not in md and md.endswith("<!-- results:end -->\nrest\n")
     assert os.path.exists(tmp_path / "out" / "results.md")
+    # the compile-time breakdown: a table under the figures and its plot
+    assert "| side | layers | total | Dynamo | AOT | Inductor | C++ compile (summed over threads) |" in md
+    assert "| ours | 4 | 1.00 | 0.10 | 0.20 | 0.30 | 0.40 | 2 | 3 | 2 |" in md
+    assert (docs / "benchmarks_compile.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -253,6 +253,11 @@ class FrameInspector:
         logs.log_regions(self._regions_log_text)
         self._write_summary(trace=True)
 
+    def pieces(self, plan, reports, why_whole) -> None:
+        """Which layers share one compiled piece (see passes.share_layers)."""
+        self._guard("pieces", lambda: self.summary.__setitem__("pieces", tables.piece_rows(plan, reports, why_whole)))
+        self._write_summary(trace=True)
+
     def on_aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
         def step() -> None:
             n = self._counts.get(kind, 0)

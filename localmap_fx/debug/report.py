@@ -124,6 +124,20 @@ def summary_markdown(summary: dict) -> str:
                 for p in plans
             ],
         )
+    pieces = summary.get("pieces")
+    if pieces and (pieces.get("shared") or pieces.get("rows")):
+        lines += ["", "## Layer pieces", ""]
+        if pieces.get("shared"):
+            lines.append("Layers with one key run one compiled piece (compiled once).")
+        else:
+            lines.append(f"Compiled as one graph: {pieces.get('reason')}.")
+        if pieces.get("rows"):
+            lines.append("")
+            lines += _md_table(
+                ["piece", "layers", "calls", "key", "nodes", "not shared because"],
+                [[r["piece"], ", ".join(str(i) for i in r["layers"]) or "-", r.get("calls", "-"), r["key"],
+                  r["nodes"], r.get("inline")] for r in pieces["rows"]],
+            )
     lines += ["", "## Collectives", ""]
     all_rows = [c for p in ("forward", "backward") for c in (colls.get(p) or [])]
     if all_rows:

@@ -312,3 +312,30 @@ def mesh_groups(gm: fx.GraphModule, regions: Iterable[Region] = ()) -> dict[str,
                 continue
             groups.setdefault(str(name), {"mesh_dim": names[d], "group_size": int(mesh.size(d))})
     return groups
+
+
+def piece_rows(plan, reports, why_whole: str | None) -> dict:
+    """The "pieces" entry of summary.json: which layers share one compiled piece.
+
+    ``shared`` is False when the frame went to the inner compiler whole
+    (``reason`` says why); ``rows`` then list the layers found, each inline.
+    Otherwise one row per compiled piece: the layers it serves, its key
+    digest and size, or why a span was not shared.
+    """
+    layers_text = plan.text() if plan is not None else None
+    if reports is None:
+        rows = []
+        for span in plan.spans if plan is not None else ():
+            rows.append({"piece": "-", "layers": [span.index], "key": span.digest, "nodes": span.stop - span.start,
+                         "inline": span.reason or why_whole})
+        return {"shared": False, "reason": why_whole, "layers_found": layers_text, "rows": rows}
+    groups: dict[str, dict] = {}
+    for r in reports:
+        g = groups.setdefault(r.compiled_as, {"piece": r.compiled_as, "layers": [], "calls": 0,
+                                              "key": r.key_digest, "nodes": r.n_nodes, "inline": None})
+        g["calls"] += 1
+        if r.layer is not None:
+            g["layers"].append(r.layer)
+        if r.key_digest == "-":
+            g["inline"] = r.reason or ("prefix / tail" if r.layer is None else None)
+    return {"shared": True, "reason": None, "layers_found": layers_text, "rows": list(groups.values())}

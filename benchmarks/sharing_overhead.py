@@ -1,0 +1,82 @@
+"""The run-time price of layer sharing, per layer (input to the "auto" policy).
+
+    python -m benchmarks.sharing_overhead 2 4 8 16     # TP blocks per model
+
+Single process, fake process group of 2 (collectives are no-ops, so only
+the framework and kernel costs are left), one CPU thread, process CPU time
+per compiled step (forward + backward), medians of 20 interleaved blocks of
+5 steps.  Variants of the TP stack (:func:`benchmarks.models.build_tp_stack`,
+batch 32, d 128, hidden 256):
+
+* ``shared``: ``localmap_fx.backend(share_layers=True)`` (one compiled piece
+  per layer, called per layer);
+* ``one_graph``: ``share_layers="auto"`` below its threshold = one graph,
+  bodies inline (what the default gives for fewer than 8 layers);
+* ``outlined``: ``share_layers=False`` (one graph, bodies outlined);
+* ``torch``: torch's ``local_map`` with ``backend="inductor"``.
+
+Prints one markdown row per block count, with ``(shared - one_graph) /
+blocks`` as the per-layer price.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+
+def measure(n_blocks: int, rounds: int = 20, calls: int = 5) -> dict:
+    import localmap_fx
+
+    from .compile_time import _init_fake_pg
+    from .models import build_tp_stack, zero_grads
+
+    mesh = _init_fake_pg()
+    variants = {
+        "shared": ("ours", localmap_fx.backend(share_layers=True)),
+        "one_graph": ("ours", localmap_fx.backend(share_layers=False, outline=False)),
+        "outlined": ("ours", localmap_fx.backend(share_layers=False)),
+        "torch": ("torch", "inductor"),
+    }
+    runs = {}
+    for name, (impl, backend) in variants.items():
+        torch._dynamo.reset()
+        step, st = build_tp_stack(mesh, impl, n_blocks=n_blocks, batch=32, d=128, hidden=256)
+        compiled = torch.compile(step, backend=backend)
+
+        def run(compiled=compiled, st=st):
+            compiled(st["x"], st["w1"], st["w2"]).backward()
+            zero_grads(st)
+
+        run()
+        run()
+        runs[name] = run
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            t0 = time.process_time()
+            for _ in range(calls):
+                runs[name]()
+            times[name].append((time.process_time() - t0) / calls * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    blocks = [int(a) for a in argv] or [2, 4, 8, 16]
+    print("| TP blocks | shared µs | one graph µs | outlined µs | upstream µs | shared − one graph per layer µs |")
+    print("|---|---|---|---|---|---|")
+    for n in blocks:
+        m = measure(n)
+        per = (m["shared"] - m["one_graph"]) / n
+        print(f"| {n} | {m['shared']:.0f} | {m['one_graph']:.0f} | {m['outlined']:.0f} | {m['torch']:.0f} | {per:.0f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

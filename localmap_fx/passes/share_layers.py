@@ -1,0 +1,499 @@
+"""Find repeated layers in a captured graph and split it into shared pieces.
+
+A model that repeats one layer N times reaches the backend as one flat
+Dynamo graph in which the layer's nodes (regions, redistributes, residuals,
+norms) appear N times.  This module finds those repeats and cuts the graph
+into *pieces* so that the backend compiles each distinct layer once::
+
+    before (one graph)                          after (outer graph + pieces)
+    ------------------                          ----------------------------
+    x, w0, w1, w2 = inputs                      x, w0, w1, w2 = inputs
+    a0 = to_local(x); ... h0 = redistribute()   (h0,) = piece_layer_0(x, w0)      # key K
+    a1 = to_local(h0); ... h1 = redistribute()  (h1,) = piece_layer_1(h0, w1)     # key K: same compiled code
+    a2 = to_local(h1); ... h2 = redistribute()  (h2,) = piece_layer_2(h1, w2)     # key K
+    loss = (h2 * h2).sum()                      (loss,) = piece_tail(h2)
+
+Finding (:func:`find_layer_spans`) and rewriting (:func:`split_layers`) are
+separate.  Compiling the pieces, once per key, is the backend's job
+(:func:`localmap_fx.backend.compile_pieces`).
+
+Note: [Layer spans and their key]
+    Regions are the anchors: the sequence of region kinds (function and
+    placements, not the call site) has a period ``p`` over ``k >= 2``
+    repeats.  Layer ``i`` is the run of graph nodes from the first node of
+    region ``s + i*p`` up to the first node of region ``s + (i+1)*p``; the
+    last layer takes as many nodes as the one before it.  A span's key is
+    its op/target sequence, the wiring of every argument relative to the
+    span (node inside, input number, or constant), the constants, which of
+    its nodes are used outside it, and per input the value's metadata:
+    DTensor placements, mesh identity, global and local shape, stride,
+    dtype, device and ``requires_grad``.  Spans share one compiled piece only
+    when their keys are equal; anything else stays a piece of its own.
+
+Note: [When a layer is not shared]
+    A span is compiled inline (as its own piece, or with the whole graph)
+    and the reason recorded when it mutates a value in place (in-place op,
+    ``setitem``, ``copy_``), when one of its outputs is (a view of) one of
+    its inputs, when its key differs from the other layers' (placements,
+    mesh, shapes, dtypes, ``requires_grad``, code), or when shapes are
+    symbolic.  Graph breaks need no rule: each Dynamo graph is split on its
+    own, so a span never crosses one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..graph_utils import fetch_attr, is_to_local, node_value
+from ..region import find_regions
+
+__all__ = [
+    "LayerSpan",
+    "LayerPlan",
+    "find_layer_spans",
+    "span_key",
+    "split_layers",
+    "META_PIECE",
+]
+
+# node.meta key on the outer graph's call_module nodes (see split_layers)
+META_PIECE = "localmap_fx.piece"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpan:
+    """Nodes ``[start, stop)`` of the graph's compute nodes form layer ``index``.
+
+    ``key`` is None when the span cannot be shared; ``reason`` says why.
+    """
+
+    index: int
+    start: int
+    stop: int
+    key: tuple | None
+    reason: str | None = None
+
+    @property
+    def digest(self) -> str:
+        return _digest(self.key) if self.key is not None else "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """The layers found in one graph, or why none were.
+
+    ``period`` regions per layer, starting at region ``first_region``;
+    ``spans`` in program order.  ``reason`` is set when no sharing is
+    possible at all (the spans are then empty or all unshared).
+    """
+
+    period: int
+    first_region: int
+    spans: tuple[LayerSpan, ...]
+    reason: str | None = None
+    # to_local nodes of graph inputs moved into the prefix piece (Note:
+    # [Weights enter as local tensors]); spans index compute_nodes(gm, hoisted)
+    hoisted: tuple[fx.Node, ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def shared(self) -> tuple[LayerSpan, ...]:
+        return tuple(s for s in self.spans if s.key is not None)
+
+    def text(self) -> str:
+        if not self.spans:
+            return f"no repeated layers: {self.reason}"
+        lines = [f"{len(self.spans)} layers of {self.period} region(s), from region {self.first_region}"]
+        for s in self.spans:
+            what = f"key {s.digest}" if s.key is not None else f"inline: {s.reason}"
+            lines.append(f"  layer {s.index}: nodes [{s.start}, {s.stop}) {what}")
+        return "\n".join(lines)
+
+
+def _digest(key: Any) -> str:
+    return hashlib.sha1(repr(key).encode()).hexdigest()[:10]
+
+
+def compute_nodes(gm: fx.GraphModule, hoisted: Sequence[fx.Node] = ()) -> list[fx.Node]:
+    """The nodes spans index into: everything but placeholders and the output,
+    ``hoisted`` first.
+
+    Note: [Weights enter as local tensors]
+        A ``to_local`` of a graph input (a weight) found at the same place in
+        every layer is moved to the front, into the prefix piece: layer
+        pieces then receive weights as plain local tensors (no DTensor
+        unwrapping per piece call at run time).  Only the split order
+        changes; the graph itself is not touched.
+    """
+    first = set(hoisted)
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and n not in first]
+    return list(hoisted) + body
+
+
+def _region_kind(spec) -> tuple:
+    # the call site differs between unrolled copies of one layer: not part of the kind
+    return (spec.func, spec.func_site, repr(spec.in_placements), repr(spec.out_placements),
+            repr(spec.in_grad_placements), spec.mesh_shape, spec.redistribute_inputs)
+
+
+def _best_period(kinds: Sequence[tuple]) -> tuple[int, int, int] | None:
+    """(start, period, repeats) covering the most regions with >= 2 repeats."""
+    best = None
+    n = len(kinds)
+    for p in range(1, n // 2 + 1):
+        for s in range(0, p):
+            k = 1
+            while s + (k + 1) * p <= n and kinds[s + k * p : s + (k + 1) * p] == kinds[s : s + p]:
+                k += 1
+            if k >= 2 and (best is None or k * p > best[2] * best[1]):
+                best = (s, p, k)
+    return best
+
+
+def mesh_key(mesh: Any) -> tuple:
+    """Equal for meshes over the same ranks, dims and process groups (Dynamo's
+    fake DTensors may hold different DeviceMesh objects for one mesh)."""
+    return (
+        mesh.device_type,
+        tuple(mesh.mesh.flatten().tolist()),
+        tuple(mesh.mesh.shape),
+        tuple(mesh.mesh_dim_names or ()),
+        tuple(getattr(mesh, "_dim_group_names", ()) or ()),
+    )
+
+
+def _value_meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        base = (str(tuple(v.shape)), str(tuple(v.stride())), v.dtype, str(v.device), v.requires_grad)
+        if isinstance(v, DTensor):
+            loc = v._local_tensor
+            return ("dtensor", base, tuple(v.placements), mesh_key(v.device_mesh),
+                    str(tuple(loc.shape)), str(tuple(loc.stride())))
+        return ("tensor", base)
+    if isinstance(v, (int, float, bool, str, type(None))):
+        return ("const", repr(v))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(v, DeviceMesh):
+        return ("mesh", mesh_key(v))
+    return ("object", type(v).__name__, id(v))
+
+
+def _target_key(n: fx.Node) -> Any:
+    if isinstance(n.target, str):
+        return n.target
+    return (getattr(n.target, "__module__", None), getattr(n.target, "__qualname__", None), id(n.target))
+
+
+def _arg_key(a: Any, local: dict[fx.Node, Any]) -> Any:
+    if isinstance(a, fx.Node):
+        return local[a]
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_arg_key(x, local) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _arg_key(v, local)) for k, v in a.items()))
+    if isinstance(a, torch.Tensor):
+        return ("tensor", id(a))
+    return ("const", type(a).__name__, repr(a))
+
+
+def span_io(nodes: Sequence[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(inputs, outputs) of a span: outside nodes it reads, in first-use order;
+    its nodes read outside it, in program order."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in seen:
+                seen.add(a)
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    return inputs, outputs
+
+
+# Ops whose result may share storage with their first argument.
+_ALIAS_OPS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "t", "T", "mT", "transpose", "permute", "expand",
+    "expand_as", "narrow", "select", "squeeze", "unsqueeze", "flatten", "unflatten", "detach",
+    "getitem", "__getitem__", "as_strided", "split", "chunk", "unbind", "diagonal", "movedim",
+    "swapaxes", "contiguous", "alias", "to_local", "from_local", "wait", "wait_tensor", "real", "imag",
+    "to", "type_as",
+})
+
+
+def _op_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
+def _alias_source(n: fx.Node, inputs: set) -> fx.Node | None:
+    """The span input ``n`` may be a view of (through view ops only), else None."""
+    while True:
+        if n in inputs:
+            return n
+        if n.op not in ("call_function", "call_method") or _op_name(n) not in _ALIAS_OPS:
+            return None
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+
+
+def _unshareable(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs) -> str | None:
+    for n in nodes:
+        if n.op == "call_function" and n.target in (operator.setitem,):
+            return f"{n.name} mutates a value (setitem)"
+        name = _op_name(n)
+        if name.endswith("_") and not name.startswith("_") or name in ("copy_", "set_"):
+            return f"{n.name} mutates a value in place ({name})"
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return f"{n.name} mutates a value in place ({n.target})"
+        v = node_value(n)
+        for s in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(s, torch.SymInt) or (
+                isinstance(s, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in s.shape)
+            ):
+                return f"{n.name} has symbolic shapes"
+    # Structural, not by storage: nodes copied from one shared body carry
+    # the same fake values, so storages would look shared between layers.
+    input_set = set(inputs)
+    for o in outputs:
+        src = _alias_source(o, input_set)
+        if src is not None:
+            return f"output {o.name} aliases input {src.name}"
+    return None
+
+
+def span_key(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> tuple[tuple | None, str | None]:
+    """(key, None) for a shareable span, (None, reason) otherwise."""
+    inputs, outputs = span_io(nodes)
+    reason = _unshareable(gm, nodes, inputs, outputs)
+    if reason is not None:
+        return None, reason
+    local: dict[fx.Node, Any] = {}
+    parts: list[Any] = []
+    for i, a in enumerate(inputs):
+        local[a] = ("in", i)
+        parts.append(("in", _value_meta(node_value(a))))
+    out_set = set(outputs)
+    for j, n in enumerate(nodes):
+        local[n] = ("n", j)
+        if n.op == "get_attr":
+            parts.append(("attr", id(fetch_attr(gm, n.target))))
+            continue
+        parts.append((n.op, _target_key(n), _arg_key(n.args, local), _arg_key(n.kwargs, local),
+                      n in out_set))
+    return tuple(parts), None
+
+
+def _align_to_majority(gm, nodes, bounds, keys):
+    """Trim spans that are longer than the most common layer to its length.
+
+    The first layer often starts with extra nodes (``to_local`` of the model
+    input, which later layers receive already local after fuse_boundaries):
+    dropping them from the front, or extra nodes from the back, lets the
+    layer share; the dropped nodes join the piece before or after it.
+    """
+    counts: dict[tuple, int] = {}
+    for key, _ in keys:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return bounds, keys
+    major = max(counts, key=lambda k: counts[k])
+    length = next(b - a for (a, b), (k, _) in zip(bounds, keys) if k == major)
+    out_b, out_k = list(bounds), list(keys)
+    for i, ((a, b), (key, _)) in enumerate(zip(bounds, keys)):
+        if key == major or b - a <= length:
+            continue
+        for a2, b2 in ((b - length, b), (a, a + length)):
+            k2, r2 = span_key(gm, nodes[a2:b2])
+            if k2 == major:
+                out_b[i], out_k[i] = (a2, b2), (k2, r2)
+                break
+    return out_b, out_k
+
+
+def _reads_placeholder(n: fx.Node) -> bool:
+    return is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+
+
+def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
+    """Find the repeated layers of ``gm`` (read-only).  See Note: [Layer spans and their key]."""
+    regions = find_regions(gm)
+    if len(regions) < 2:
+        return LayerPlan(0, 0, (), "fewer than 2 local_map regions")
+    best = _best_period([_region_kind(r.spec) for r in regions])
+    if best is None:
+        return LayerPlan(0, 0, (), "the sequence of regions does not repeat")
+    s, p, k = best
+    nodes = compute_nodes(gm)
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def first_node(r) -> int:
+        cand = r.enter_nodes + r.body_nodes + r.exit_nodes + ([r.node] if r.outlined else [])
+        first = min(pos[n] for n in cand)
+        # the get_attr of an outlined body sits just before it
+        while first > 0 and nodes[first - 1].op == "get_attr":
+            first -= 1
+        return first
+
+    starts = [first_node(regions[s + i * p]) for i in range(k)]
+    stops = starts[1:] + [min(len(nodes), starts[-1] + (starts[-1] - starts[-2]))]
+    bounds = list(zip(starts, stops))
+    keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
+    bounds, keys = _align_to_majority(gm, nodes, bounds, keys)
+    hoisted, nodes, bounds = _hoist_weights(nodes, bounds)
+    shift = _best_cut(nodes, bounds)
+    if hoisted or shift:
+        bounds = [(a + shift, min(len(nodes), b + shift)) for a, b in bounds]
+        keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
+    spans = []
+    # A span shares only with another span of the same key.
+    counts: dict[tuple, int] = {}
+    for key, _ in keys:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    for i, ((a, b), (key, reason)) in enumerate(zip(bounds, keys)):
+        if key is not None and counts[key] < 2:
+            key, reason = None, "no other layer has the same key (code, placements, mesh, shapes, dtypes or requires_grad differ)"
+        if key is None and reason is not None and reason.startswith("no other layer") and i == len(keys) - 1 and shift:
+            reason = "last layer: the border lies after the next layer's first nodes, which it lacks (Note: [Where layers are cut])"
+        spans.append(LayerSpan(i, a, b, key, reason))
+    return LayerPlan(p, s, tuple(spans), hoisted=tuple(hoisted))
+
+
+def _best_cut(nodes: Sequence[fx.Node], bounds: Sequence[tuple[int, int]]) -> int:
+    """How far to move every layer border forward.
+
+    Note: [Where layers are cut]
+        A DTensor crossing a piece border costs at run time: AOTAutograd
+        unwraps and wraps it on every call, and checks (and redistributes)
+        its gradient against the placements it traced, where a plain tensor
+        passes as is (measured: about half of the per-layer price of
+        sharing).  So borders move to where the fewest DTensors cross them;
+        in a TP stack that is right after the next layer's ``to_local``.
+        The last layer then lacks those first nodes of a next layer and is
+        compiled as a piece of its own (one extra layer compile).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if len(bounds) < 3:
+        return 0
+    a, b = bounds[1]
+    best = None
+    for r in range(b - a):
+        _, outputs = span_io(nodes[a + r : b + r])
+        cost = (sum(isinstance(node_value(o), DTensor) for o in outputs), len(outputs), r)
+        if best is None or cost < best:
+            best = cost
+    return best[2] if best is not None else 0
+
+
+def _hoist_weights(nodes: list[fx.Node], bounds: list[tuple[int, int]]):
+    """(hoisted, new order, new bounds): Note: [Weights enter as local tensors]."""
+    if not bounds:
+        return [], nodes, bounds
+    common = None
+    for a, b in bounds:
+        rel = {j for j in range(b - a) if _reads_placeholder(nodes[a + j])}
+        common = rel if common is None else common & rel
+    if not common:
+        return [], nodes, bounds
+    hoisted = sorted((nodes[a + j] for a, b in bounds for j in common), key=nodes.index)
+    hs = set(hoisted)
+    order = hoisted + [n for n in nodes if n not in hs]
+    pos = {n: i for i, n in enumerate(order)}
+    new_bounds = []
+    for a, b in bounds:
+        kept = [n for n in nodes[a:b] if n not in hs]
+        new_bounds.append((pos[kept[0]], pos[kept[0]] + len(kept)))
+    return hoisted, order, new_bounds
+
+
+def _copy_span(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs, name: str) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    owner = torch.nn.Module()
+    for i, a in enumerate(inputs):
+        ph = g.placeholder(f"in{i}_{a.name}")
+        ph.meta = dict(a.meta)
+        env[a] = ph
+    for n in nodes:
+        if n.op == "get_attr":
+            setattr(owner, str(n.target), fetch_attr(gm, str(n.target)))
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(owner, g, class_name=name)
+
+
+def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
+    """Cut ``gm`` into pieces along ``plan``: one submodule per layer span, and
+    one for the nodes before the first layer and after the last.
+
+    The returned outer graph keeps ``gm``'s placeholders and output and calls
+    ``piece_<i>`` submodules; each call node carries ``meta[META_PIECE] =
+    {"name", "layer", "key", "reason"}`` (layer None for prefix / tail).
+    Spans with equal keys get structurally identical submodules (same input
+    order, same outputs), so one compiled callable serves them all.
+    """
+    nodes = compute_nodes(gm, plan.hoisted)
+    cuts: list[tuple[int, int, LayerSpan | None]] = []
+    at = 0
+    for span in plan.spans:
+        if span.start > at:
+            cuts.append((at, span.start, None))
+        cuts.append((span.start, span.stop, span))
+        at = span.stop
+    if at < len(nodes):
+        cuts.append((at, len(nodes), None))
+
+    outer = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = outer.node_copy(n)
+    n_piece = 0
+    for a, b, piece_span in cuts:
+        piece_nodes = nodes[a:b]
+        inputs, outputs = span_io(piece_nodes)
+        if not outputs:
+            # nothing leaves it: only dead code or get_attrs
+            if any(n.op == "call_function" or n.op == "call_method" for n in piece_nodes):
+                raise AssertionError(f"piece of nodes [{a}, {b}) has effects but no outputs")
+            continue
+        name = f"piece_{n_piece}"
+        n_piece += 1
+        sub = _copy_span(gm, piece_nodes, inputs, outputs, name)
+        root.add_module(name, sub)
+        call = outer.call_module(name, tuple(env[i] for i in inputs))
+        call.meta[META_PIECE] = {
+            "name": name,
+            "layer": piece_span.index if piece_span is not None else None,
+            "key": piece_span.key if piece_span is not None else None,
+            "reason": piece_span.reason if piece_span is not None else None,
+            "nodes": (a, b),
+            "inputs": [i.name for i in inputs],
+        }
+        for j, o in enumerate(outputs):
+            g = outer.call_function(operator.getitem, (call, j))
+            g.meta = dict(o.meta)
+            env[o] = g
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            outer.node_copy(n, lambda x: env[x])
+    out = fx.GraphModule(root, outer, class_name="localmap_fx_layers")
+    out.graph.lint()
+    return out
+
+
+def pieces_of(outer: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in outer.graph.nodes if META_PIECE in n.meta]
