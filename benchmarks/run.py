@@ -103,7 +103,7 @@ def _loadavg():
 
 
 def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log=print) -> dict:
-    """Run the selected groups ("eager", "compiled", "compile_time", "redistribute")."""
+    """Run the selected groups ("eager", "compiled", "compile_time", "redistribute", "models")."""
     from tests.dist_harness import run_ranks
 
     from .compile_time import compile_time_worker
@@ -114,7 +114,7 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
     import torch
 
     cfg = QUICK if quick else DEFAULTS
-    groups = only or {"eager", "compiled", "compile_time", "redistribute"}
+    groups = only or {"eager", "compiled", "compile_time", "redistribute", "models"}
     devices = [("cpu", "gloo")]
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         devices.append(("cuda", "nccl"))
@@ -168,6 +168,11 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
         results["redistribute"] = timed(
             "redistribute", _in_fresh_process, redistribute_worker, quick
         )
+    if "models" in groups:
+        # Llama / MoE compile and step time vs upstream (benchmarks/model_bench.py)
+        from . import model_bench
+
+        results["models"] = timed("models", model_bench.run, quick)
     results["loadavg_end"] = _loadavg()
     results["figures"] = figures(results)
     return results
@@ -417,6 +422,10 @@ def write(results: dict, out_dir: str, docs: str | None = None) -> None:
         f.write(md)
     with open(os.path.join(out_dir, "results.png"), "wb") as f:
         f.write(png(results))
+    if docs and "models" in results:
+        from .model_bench import markdown as models_markdown, write_docs
+
+        write_docs(models_markdown(results["models"], "See the main table's machine line.", results["quick"]), docs)
     if docs:
         shutil.copyfile(os.path.join(out_dir, "results.png"), os.path.join(docs, "benchmarks.png"))
         path = os.path.join(docs, "benchmarks.md")
@@ -439,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=None,
-        help="comma-separated groups: eager, compiled, compile_time, redistribute",
+        help="comma-separated groups: eager, compiled, compile_time, redistribute, models",
     )
     a = p.parse_args(argv)
     only = set(a.only.split(",")) if a.only else None
