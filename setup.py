@@ -15,5 +15,9 @@ setup(
         # torch calls these during `import torch`, before it parses TORCH_LOGS.
         "torch.backends": ["localmap_fx_logs = _localmap_fx_logs:register"],
     },
-    extras_require={"test": ["pytest", "expecttest", "hypothesis"]},
+    extras_require={
+        "test": ["pytest", "expecttest", "hypothesis"],
+        # PNG output of `localmap-fx inspect --png` (SVG needs nothing)
+        "pictures": ["pillow"],
+    },
 )

@@ -62,7 +62,7 @@ def _warm_up(mesh) -> None:
             mesh, [Shard(0)]
         )
         x.requires_grad_()
-        torch.compile(lambda a: f(a).to_local().sum(), backend=backend)(x).backward()
+        torch.compile(lambda a: f(a).to_local().sum(), backend=backend)(x).backward()  # noqa: B023 - runs now
     torch._dynamo.reset()
 
 

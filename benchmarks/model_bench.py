@@ -270,7 +270,7 @@ def write_docs(md: str, docs: str) -> None:
 
 def run(quick: bool = False, device: str = "cpu", backend: str = "gloo", log: bool = False) -> dict:
     """Rank 0's measurements (``log``: rank 0 prints progress to its log file)."""
-    from tests.dist_harness import run_ranks
+    from localmap_fx.testing.dist import run_ranks
 
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
     if quick:

@@ -10,13 +10,8 @@ P4).  Prints markdown.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def _best_us(fn, calls: int = 200, blocks: int = 15) -> float:

@@ -32,18 +32,16 @@ __all__ = ["redistribute_worker"]
 
 
 def _collectives(gm) -> tuple[int, int, list[str]]:
+    from localmap_fx.graph_utils import collective_name, is_collective, node_value
+
     n = nbytes = 0
     names = []
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = str(node.target)
-        if "_c10d_functional" not in name or "wait_tensor" in name:
+        if not is_collective(node):
             continue
         n += 1
-        names.append(name.split(".")[1] if "." in name else name)
-        arg = node.args[0] if node.args else None
-        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        names.append(collective_name(node.target))
+        val = node_value(node.args[0]) if node.args else None
         if isinstance(val, torch.Tensor):
             nbytes += val.numel() * val.element_size()
         elif isinstance(val, (list, tuple)):
@@ -111,7 +109,7 @@ def _ours(mesh, src, dst, shape) -> tuple[int, int, list[str]]:
 def _adjacent(mesh, p) -> dict:
     """Region A returns ``p``, region B takes ``p``: what is left between them."""
     import localmap_fx
-    from localmap_fx.lowering.boundaries import _is_from_local, _is_method
+    from localmap_fx.graph_utils import is_from_local, is_to_local
     from localmap_fx.region import role_of
 
     stages = {}
@@ -122,8 +120,8 @@ def _adjacent(mesh, p) -> dict:
             pairs = sum(
                 1
                 for n in gm.graph.nodes
-                if _is_from_local(n)
-                and any(_is_method(u, "to_local") and role_of(u) == "enter" for u in n.users)
+                if is_from_local(n)
+                and any(is_to_local(u) and role_of(u) == "enter" for u in n.users)
             )
             stages["round_trips"] = pairs
 

@@ -5,7 +5,7 @@
     python -m benchmarks.run --docs docs          # also update docs/benchmarks.md and docs/benchmarks.png
 
 Each group runs in fresh processes: P1/P2 and P3/P4/P7/memory on 2 ranks of
-a real process group (``tests/dist_harness.run_ranks``), P5 and P6 in one
+a real process group (``localmap_fx.testing.dist.run_ranks``), P5 and P6 in one
 spawned process each, on a fake process group (graph-level measurements).
 See docs/benchmarks.md for what each figure means.
 """
@@ -25,8 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 __all__ = ["main", "run_all", "TARGETS"]
 
@@ -44,17 +42,21 @@ TARGETS = {
     "P6_redundant": ("redundant collectives + round trips between matching regions", 0),
     "P7": ("compiled with static type check / without", 1.02),
     "memory": ("peak step memory, compiled / upstream compiled", None),
+    "S1": ("`import localmap_fx` after `import torch`, seconds", 0.30),
+    "S2": ("`python -m localmap_fx inspect DIR` on a 2-region dump, seconds", 1.00),
 }
 
 DEFAULTS = {
     "eager": {"batch": 64, "d": 64, "hidden": 128, "rounds": 60, "calls": 40},
     "compiled": {"n_blocks": 2, "batch": 32, "d": 128, "hidden": 256, "rounds": 80, "calls": 10},
     "compile_time": {"layers": [8, 64], "repeats": 3},
+    "startup": {"repeats": 7},
 }
 QUICK = {
     "eager": {"batch": 16, "d": 16, "hidden": 32, "rounds": 2, "calls": 2},
     "compiled": {"n_blocks": 2, "batch": 8, "d": 16, "hidden": 32, "rounds": 2, "calls": 1},
     "compile_time": {"layers": [2, 4], "repeats": 1},
+    "startup": {"repeats": 1},
 }
 
 
@@ -103,18 +105,19 @@ def _loadavg():
 
 
 def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log=print) -> dict:
-    """Run the selected groups ("eager", "compiled", "compile_time", "redistribute", "models")."""
-    from tests.dist_harness import run_ranks
+    """Run the selected groups ("eager", "compiled", "compile_time", "redistribute", "startup", "models")."""
+    import torch
+
+    from localmap_fx.testing.dist import run_ranks
 
     from .compile_time import compile_time_worker
     from .compiled_bench import compiled_ranks
     from .eager_bench import eager_ranks
     from .redistribute_bench import redistribute_worker
-
-    import torch
+    from .startup import startup_worker
 
     cfg = QUICK if quick else DEFAULTS
-    groups = only or {"eager", "compiled", "compile_time", "redistribute", "models"}
+    groups = only or {"eager", "compiled", "compile_time", "redistribute", "startup", "models"}
     devices = [("cpu", "gloo")]
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         devices.append(("cuda", "nccl"))
@@ -168,6 +171,9 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
         results["redistribute"] = timed(
             "redistribute", _in_fresh_process, redistribute_worker, quick
         )
+    if "startup" in groups:
+        # subprocesses of its own: nothing else runs meanwhile
+        results["startup"] = timed("startup", startup_worker, cfg["startup"]["repeats"])
     if "models" in groups:
         # Llama / MoE compile and step time vs upstream (benchmarks/model_bench.py)
         from . import model_bench
@@ -353,6 +359,35 @@ def figures(results: dict) -> list[dict]:
                 None,
             )
         )
+    st = results.get("startup")
+    if st:
+        imp = st["import_s"]
+        s1 = imp["localmap_fx"]
+        rows.append(
+            _row(
+                "S1",
+                s1["median"],
+                s1["min"],
+                s1["max"],
+                f"import torch {imp['torch']['median']:.2f} s; after it, `from localmap_fx import local_map` "
+                f"{imp['local_map']['median']:.2f} s and `backend` {imp['backend']['median']:.2f} s "
+                f"(import torch.distributed.tensor alone {imp['dtensor']['median']:.2f} s); Dynamo/Inductor "
+                f"imported by any: {any(v for k, v in st['imports_compiler'].items() if k != 'dtensor')}; "
+                f"{st['repeats']} fresh interpreters each",
+                "wall",
+            )
+        )
+        cli = st["cli_s"]
+        rows.append(
+            _row(
+                "S2",
+                cli["median"],
+                cli["min"],
+                cli["max"],
+                f"whole command, interpreter start included; imports torch: {st['cli_imports_torch']}",
+                "wall",
+            )
+        )
     return rows
 
 
@@ -399,8 +434,8 @@ def png(results: dict) -> bytes:
 
     bars = []
     for r in results["figures"]:
-        if r["id"] == "P6_redundant":
-            continue
+        if r["id"] == "P6_redundant" or r["id"].startswith("S"):
+            continue  # not ratios (startup figures are seconds)
         label = r["id"].replace("_", " ") + ("" if r["device"] == "cpu" else " CUDA")
         tgt = "" if r["target"] is None else f" (<= {r['target']:.2f})"
         bars.append(Bar(label, r["value"], r["min"], r["max"], r["target"], r["met"], f"{r['value']:.2f}{tgt}"))
@@ -448,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=None,
-        help="comma-separated groups: eager, compiled, compile_time, redistribute, models",
+        help="comma-separated groups: eager, compiled, compile_time, redistribute, startup, models",
     )
     a = p.parse_args(argv)
     only = set(a.only.split(",")) if a.only else None

@@ -2,12 +2,28 @@
 
 Pipeline: capture (:mod:`.capture`) -> region IR (:mod:`.region`) ->
 passes (:mod:`.passes`, :mod:`.lowering`) -> backend (:mod:`.backend`).
+
+Note: [Lazy public names]
+    ``import localmap_fx`` imports no submodule: each public name is loaded
+    on first access (PEP 562 ``__getattr__``), so a program pays for DTensor
+    and the compiler stack only when it uses them, and the ``localmap-fx``
+    CLI reads dumps without importing torch.  ``benchmarks/startup.py``
+    measures it.
 """
 
-from .api import LocalMap, local_map
-from .backend import BackendOptions, backend
-from .lowering import lower
-from .region import Region, RegionSpec, find_regions
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import LocalMap, local_map
+    from .backend import BackendOptions, backend
+    from .lowering import lower
+    from .region import Region, RegionSpec, find_regions
+    from .reuse import region_reuse
 
 __all__ = [
     "local_map",
@@ -18,13 +34,56 @@ __all__ = [
     "lower",
     "Region",
     "RegionSpec",
+    "region_reuse",
 ]
 __version__ = "0.1.0"
+
+# public name -> the submodule defining it
+_HOME = {
+    "local_map": "api",
+    "LocalMap": "api",
+    "backend": "backend",
+    "BackendOptions": "backend",
+    "find_regions": "region",
+    "lower": "lowering",
+    "Region": "region",
+    "RegionSpec": "region",
+    "region_reuse": "reuse",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'localmap_fx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package; importing the submodule ``localmap_fx.backend`` must not
+    replace the public function ``localmap_fx.backend`` (Python binds each
+    imported submodule as an attribute of its package)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "backend" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def _register_backend() -> None:
     # After `pip install` the "torch_dynamo_backends" entry point provides the
-    # name; from a source checkout on sys.path, register it here instead.
+    # name "localmap_fx" (Dynamo loads it on first lookup); from a source
+    # checkout that is not installed, register it here instead, which imports
+    # Dynamo (slow: install the package to keep `import localmap_fx` fast).
     from importlib.metadata import entry_points
 
     if any(ep.name == "localmap_fx" for ep in entry_points(group="torch_dynamo_backends")):

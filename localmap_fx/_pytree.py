@@ -26,11 +26,6 @@ _LEAF_TYPES = frozenset({int, float, bool, str, type(None), torch.Tensor})
 _Tensor = torch.Tensor
 
 
-def _is_simple_leaf(x: Any) -> bool:
-    t = type(x)
-    return t in _LEAF_TYPES or issubclass(t, _Tensor)
-
-
 def flatten_args(args: tuple) -> tuple[list, Any]:
     """(leaves, spec); spec is None when ``args`` was already flat."""
     for a in args:

@@ -16,8 +16,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
-from . import validate
-from .eager import call_eager
+from . import argtree, validate
+from ._pytree import flatten_args
+from .eager import EagerPlan, call_eager
 from .region import spec_annotation
 
 __all__ = ["local_map", "LocalMap"]
@@ -108,6 +109,8 @@ class LocalMap:
         self.param_names = _param_names(func) if isinstance(in_placements, dict) else None
         self.spec_annotation = spec_annotation(
             func=func,
+            # Note: [local_map built while Dynamo traces]
+            identity=_traced_identity(func) if torch.compiler.is_compiling() else None,
             in_placements=in_placements,
             out_specs=self.out_specs,
             in_grad_placements=in_grad_placements,
@@ -116,7 +119,7 @@ class LocalMap:
             spmd_types=spmd_types,
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
-        self._eager_plan = None
+        self._eager_plan: EagerPlan | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -124,14 +127,29 @@ class LocalMap:
 
             return call_captured(self, args, kwargs)
         if self.param_names is not None or _maybe_nested(self.in_placements, args):
-            from .argtree import call_nested_eager
-
-            return call_nested_eager(self, args, kwargs)
+            return _call_nested_eager(self, args, kwargs)
         return call_eager(self, args, kwargs)
 
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+# Note: [local_map built while Dynamo traces]
+#     Model code often writes ``local_map(region_fn, ...)(x, w)`` inside
+#     ``forward``; Dynamo then traces ``LocalMap.__init__`` too.  There
+#     ``func.__qualname__`` of a module-level function comes back as a
+#     ``getset_descriptor`` (torch 2.14.1), which is not a constant and broke
+#     the annotation.  The code object's ``co_qualname`` / ``co_filename`` are
+#     constants to Dynamo, so a traced construction names the function from
+#     them (a callable without code is named by its type).  Everything else
+#     in the annotation is placements and flags, constants already; Dynamo
+#     guards on them as usual, so later calls reuse the compiled frame.
+def _traced_identity(func: Callable) -> tuple[str, str]:
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    return type(func).__name__, "<unknown>"
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:
@@ -151,7 +169,41 @@ def _maybe_nested(in_placements: Any, args: tuple) -> bool:
         return False
     if not any(type(a) in (tuple, list, dict) for a in args):
         return False  # every argument is one leaf: the flat form applies
-    from .argtree import wants_nested
-    from ._pytree import flatten_args
+    return argtree.wants_nested(in_placements, len(flatten_args(args)[0]), len(args))
 
-    return wants_nested(in_placements, len(flatten_args(args)[0]), len(args))
+
+def _call_nested_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    """Eager call with a mirrored or by-name in_placements.
+
+    Checks the arguments on their descriptions (the checks capture runs, so
+    errors name the argument path), then runs the ordinary eager fallback on
+    the flattened leaves with the resolved per-leaf specs; the body gets its
+    arguments rebuilt.
+    """
+    all_leaves, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in kw_tree}
+    _, specs, grads = validate.plan_nested_inputs(
+        tuple(validate.describe(a) for a in all_leaves),
+        paths,
+        lm.in_placements,
+        lm.in_grad_placements,
+        lm.redistribute_inputs,
+        lm.param_names,
+    )
+    func = lm.func
+
+    def body(*local_leaves):
+        local_args = argtree.unflatten(args, list(local_leaves[:n_positional]))
+        local_kw = argtree.unflatten(kw_tree, list(local_leaves[n_positional:]))
+        return func(*local_args, **rest, **local_kw)
+
+    flat = LocalMap(
+        body,
+        lm.out_placements,
+        specs,
+        grads,
+        lm.device_mesh,
+        lm.redistribute_inputs,
+        lm.spmd_types,
+    )
+    return call_eager(flat, tuple(all_leaves), {})

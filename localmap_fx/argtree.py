@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["flatten", "unflatten", "is_spec_leaf", "resolve", "path_str", "NestedSpecs"]
+__all__ = ["flatten", "unflatten", "flatten_call", "wants_nested", "is_spec_leaf", "resolve", "path_str"]
 
 Path = tuple  # of int | str keys
 
@@ -77,10 +77,6 @@ def path_str(path: Path) -> str:
     return s
 
 
-class NestedSpecs:
-    """Marker: per-leaf specs resolved from a mirrored or by-name in_placements."""
-
-
 def _lookup(tree: Any, full_path: Path, where: str) -> Any:
     """The spec that applies to the leaf at ``full_path`` (below its argument)."""
     node = tree
@@ -111,7 +107,7 @@ def resolve(in_placements: Any, paths: list, param_names: tuple | None) -> tuple
     ``param_names`` are the function's positional parameter names (needed for
     the by-name form).
     """
-    out = []
+    out: list = []
     if isinstance(in_placements, dict):
         unknown = set(in_placements) - set(param_names or ()) - {p[0] for p in paths if isinstance(p[0], str)}
         if unknown:
@@ -161,45 +157,3 @@ def flatten_call(in_placements: Any, args: tuple, kwargs: dict) -> tuple:
     leaves, paths = flatten(args)
     kw_leaves, kw_paths = flatten(kw_tree)
     return leaves + kw_leaves, tuple(paths + kw_paths), len(leaves), kw_tree
-
-
-def call_nested_eager(lm: Any, args: tuple, kwargs: dict) -> Any:
-    """Eager call with a mirrored or by-name in_placements.
-
-    Checks the arguments on their descriptions (the checks capture runs, so
-    errors name the argument path), then runs the ordinary eager fallback on
-    the flattened leaves with the resolved per-leaf specs; the body gets its
-    arguments rebuilt.
-    """
-    from .api import LocalMap
-    from .capture import describe
-    from .eager import call_eager
-    from .validate import plan_nested_inputs
-
-    all_leaves, paths, n_positional, kw_tree = flatten_call(lm.in_placements, args, kwargs)
-    rest = {k: v for k, v in kwargs.items() if k not in kw_tree}
-    _, specs, grads = plan_nested_inputs(
-        tuple(describe(a) for a in all_leaves),
-        paths,
-        lm.in_placements,
-        lm.in_grad_placements,
-        lm.redistribute_inputs,
-        lm.param_names,
-    )
-    func = lm.func
-
-    def body(*local_leaves):
-        local_args = unflatten(args, list(local_leaves[:n_positional]))
-        local_kw = unflatten(kw_tree, list(local_leaves[n_positional:]))
-        return func(*local_args, **rest, **local_kw)
-
-    flat = LocalMap(
-        body,
-        lm.out_placements,
-        specs,
-        grads,
-        lm.device_mesh,
-        lm.redistribute_inputs,
-        lm.spmd_types,
-    )
-    return call_eager(flat, tuple(all_leaves), {})

@@ -10,12 +10,10 @@ forward and backward graphs too (``on_aot_graph``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .lowering import lower
@@ -76,6 +74,10 @@ class BackendOptions:
         ps: list[Pass] = []
         if self.outline:
             ps.append(outline_regions)
+        else:
+            from .passes.inline_shared_bodies import inline_shared_bodies
+
+            ps.append(inline_shared_bodies)  # bodies Dynamo shared (localmap_fx.reuse)
         ps.append(_lower_with(self.typecheck))
         if self.fuse_boundaries:
             ps.append(fuse_boundaries)
@@ -112,13 +114,15 @@ def _inductor(
     opts: BackendOptions,
     on_output: Callable[[str, Any], None] | None = None,
 ):
+    import torch
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    if opts.on_aot_graph is None and on_output is None:
-        return compile_fx(gm, example_inputs)
+    from .passes.hoist_subgraph_views import hoist_subgraph_views
 
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
+        # Inductor plans buffers as if subgraph outputs never alias inputs (see the pass)
+        g = hoist_subgraph_views(g)
         if opts.on_aot_graph is not None:
             opts.on_aot_graph(kind, g)
         compiled = compile_fx_inner(g, inputs, **kwargs)
@@ -126,7 +130,13 @@ def _inductor(
             on_output(kind, compiled)
         return compiled
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    if not any(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    # AOTAutograd's cache is keyed on this graph, not on inner_compile: a hit could
+    # serve an artifact compiled without hoist_subgraph_views.  Inductor's own
+    # cache stays on (it keys on the graph after the pass).
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions):
@@ -147,7 +157,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
         return gm.forward
     if opts.inner == "aot_eager":
         return _aot(gm, example_inputs, opts)
-    return _inductor(gm, example_inputs, opts, inspector and inspector.on_inner_output)
+    return _inductor(gm, example_inputs, opts, inspector.on_inner_output if inspector is not None else None)
 
 
 def backend(inner: str = "inductor", **options: Any) -> Callable:

@@ -38,30 +38,20 @@ from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
 from . import argtree, validate
-from .errors import compile_time
-from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
+from .errors import compile_time
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from .reuse import run_body
+from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
     from .api import LocalMap
 
-__all__ = ["call_captured", "describe"]
+__all__ = ["call_captured"]
 
 _ENTER = {**ROLE_ENTER}
 _BODY = {**ROLE_BODY}
 _EXIT = {**ROLE_EXIT}
-
-
-def describe(x: Any) -> tuple:
-    """A constant description of ``x`` (Dynamo can pass it to real Python)."""
-    if isinstance(x, DTensor):
-        return ("dtensor", x.placements, x.ndim, len(x.placements))
-    if isinstance(x, torch.Tensor):
-        return ("tensor", x.ndim)
-    if isinstance(x, (int, float, bool, str, type(None))):
-        return ("value", x)
-    return ("object", type(x).__name__)
 
 
 def _at_compile_time(check):
@@ -90,7 +80,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         # in_placements mirrors the arguments (or names them): own flattening
         flat_args, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
         plan, flat_specs, flat_grads = _plan_nested_inputs(
-            tuple(describe(a) for a in flat_args),
+            tuple(validate.describe(a) for a in flat_args),
             paths,
             lm.in_placements,
             lm.in_grad_placements,
@@ -102,7 +92,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     else:
         annotation = lm.spec_annotation
         plan = _plan_inputs(
-            tuple(describe(a) for a in flat_args),
+            tuple(validate.describe(a) for a in flat_args),
             lm.in_placements,
             lm.in_grad_placements,
             lm.redistribute_inputs,
@@ -139,11 +129,14 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         return lm.func(*local_args, **kwargs)
 
     with annotate(annotation), annotate(_BODY):
-        out = lm.func(*local_args, **kwargs)
+        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
 
+    if mesh is None:
+        raise AssertionError("a region with a DTensor argument has a mesh")
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
-    _check_outputs(tuple(describe(o) for o in flat_out), out_specs, mesh.ndim)
+    _check_outputs(tuple(validate.describe(o) for o in flat_out), out_specs, mesh.ndim)
     flat_dist = []
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):
@@ -151,7 +144,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             with annotate(annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
                 if uneven:
                     dt = DTensor.from_local(
-                        o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)
+                        o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)  # type: ignore[arg-type]
                     )
                 else:
                     dt = DTensor.from_local(o, mesh, spec, run_check=False)

@@ -42,8 +42,8 @@ from torch.distributed.tensor._utils import assert_no_mixed_partial_types
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from . import validate
-from .shapes import contiguous_stride, output_global_shape
 from ._pytree import flatten_args, pytree, unflatten_args
+from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
     from .api import LocalMap
@@ -299,7 +299,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
                 if uneven:
                     flat_dist.append(
                         _from_local(
-                            o, mesh, spec, run_check=False, shape=shape,
+                            o, mesh, spec, run_check=False, shape=shape,  # type: ignore[arg-type]  # any int sequence
                             stride=contiguous_stride(shape), grad_placements=grad,
                         )
                     )

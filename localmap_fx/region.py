@@ -11,14 +11,25 @@ In the graph a backend receives it is a run of annotated nodes (see
 After the ``outline_regions`` pass the body is one ``invoke_subgraph`` node
 whose ``meta[META_REGION]`` holds the :class:`RegionSpec`.  :func:`find_regions`
 understands both forms and never mutates the graph.
+
+Note: [Regions inside nested subgraphs]
+    Dynamo traces some calls into a subgraph of a higher-order op: the body
+    of ``torch.utils.checkpoint`` (``tag_activation_checkpoint``), a
+    ``nested_compile_region`` (``invoke_subgraph``), control flow
+    (``cond``'s branches).  A region called there has its nodes in that
+    subgraph, not in the root graph.  :func:`find_regions` therefore walks
+    every subgraph a higher-order op of the graph calls (once per subgraph,
+    at its first call, in program order) and returns its regions too, with
+    ``Region.owner`` (the ``GraphModule`` that holds the nodes) and
+    ``Region.scope`` (its dotted path, ``""`` for the root graph).  A
+    higher-order op that is itself part of a region (a checkpoint inside a
+    body) belongs to that region's body and is not walked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,16 +38,25 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
+from . import graph_utils
+from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value
+
 __all__ = [
     "RegionSpec",
     "Region",
     "find_regions",
+    "subgraph_calls",
     "META_SPEC",
     "META_ROLE",
     "META_INDEX",
     "META_REGION",
+    "META_PLAN",
+    "META_LOWERED",
+    "META_REGION_ID",
     "spec_annotation",
     "placements_str",
+    "role_of",
+    "index_of",
 ]
 
 META_SPEC = "localmap_fx.spec"
@@ -44,6 +64,13 @@ META_ROLE = "localmap_fx.role"
 META_INDEX = "localmap_fx.index"
 # node.meta key (not under "custom") that passes put on outlined region nodes.
 META_REGION = "localmap_fx.region"
+# node.meta keys lowering puts on boundary nodes: the redistribute plan of an
+# entry, and "grad placements are explicit" (see lowering.boundaries).
+META_PLAN = "localmap_fx.plan"
+META_LOWERED = "localmap_fx.lowered"
+# node.meta["custom"] key the dumper adds to each region's nodes ("r0", ...;
+# see debug.dump.tag_regions); AOTAutograd carries it to derived nodes.
+META_REGION_ID = "localmap_fx.region_id"
 
 ROLE_ENTER = {META_ROLE: "enter"}
 ROLE_BODY = {META_ROLE: "body"}
@@ -67,14 +94,21 @@ def spec_annotation(
     device_mesh: DeviceMesh | None,
     redistribute_inputs: bool,
     spmd_types: bool,
+    identity: tuple[str, str] | None = None,
 ) -> dict:
     """The constant dict capture puts in ``node.meta["custom"]``.
 
-    Built once per ``local_map`` function, outside traced code: Dynamo only
-    accepts annotation values it can read as Python constants.
+    Built once per ``local_map`` function, normally outside traced code:
+    Dynamo only accepts annotation values it can read as Python constants.
+    ``identity`` = ``(name, definition site)`` of ``func`` when the caller
+    already has them as constants (a ``local_map`` built while Dynamo traces).
     """
-    code = getattr(func, "__code__", None)
-    site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+    if identity is not None:
+        name, site = identity
+    else:
+        code = getattr(func, "__code__", None)
+        site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+        name = getattr(func, "__qualname__", type(func).__name__)
 
     def norm(specs: Any) -> Any:
         # Bad values are kept as given: validation reports them at call time,
@@ -85,7 +119,7 @@ def spec_annotation(
 
     return {
         META_SPEC: {
-            "func": getattr(func, "__qualname__", type(func).__name__),
+            "func": name,
             "func_site": site,
             "in": norm(in_placements),
             "out": norm(out_specs),
@@ -105,7 +139,7 @@ def placements_str(placements: Sequence[Placement] | None) -> str:
     for p in placements:
         name = type(p).__name__
         if name == "Shard":
-            parts.append(f"S({p.dim})")
+            parts.append(f"S({getattr(p, 'dim', '?')})")
         elif name == "Replicate":
             parts.append("R")
         elif name == "Partial":
@@ -141,7 +175,7 @@ class RegionSpec:
         s = f"{self.func}: in=[{ins}] out=[{outs}]"
         if self.in_grad_placements is not None:
             s += " in_grad=[" + ", ".join(placements_str(p) for p in self.in_grad_placements) + "]"
-        dims = self.mesh_dim_names or tuple(str(i) for i in range(len(self.mesh_shape)))
+        dims = graph_utils.mesh_dim_names(self)
         s += " mesh=" + "x".join(f"{n}:{k}" for n, k in zip(dims, self.mesh_shape))
         if self.redistribute_inputs:
             s += " redistribute_inputs"
@@ -179,55 +213,34 @@ class Region:
     inputs: list[RegionInput]
     outputs: list[fx.Node]
     outlined: bool
-
-    def local_value(self, arg_index: int) -> fx.Node | None:
-        for i in self.inputs:
-            if i.kind == "arg" and i.index == arg_index:
-                return i.node
-        return None
+    # the GraphModule whose graph holds the nodes, and its dotted path
+    # ("" = the root graph; see Note: [Regions inside nested subgraphs])
+    owner: fx.GraphModule | None = None
+    scope: str = ""
 
 
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom") or {}
+def index_of(node: fx.Node) -> int:
+    """``META_INDEX`` of an enter or exit node (argument or output index)."""
+    idx = custom_meta(node).get(META_INDEX)
+    if not isinstance(idx, int):
+        raise AssertionError(f"boundary node {node.name} has no {META_INDEX}")
+    return idx
 
 
 def role_of(node: fx.Node) -> str | None:
     if node.op in ("placeholder", "output"):
         return None
-    return _custom(node).get(META_ROLE)
-
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-# Frames of these files sit between the user's call and the region.
-_WRAPPER_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in ("api.py", "capture.py"))
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-
-
-def call_site_of(nodes: Sequence[fx.Node]) -> tuple[str, str]:
-    """(file:line, function) of the user code that called the region."""
-    for node in nodes:
-        trace = node.meta.get("stack_trace")
-        if not trace:
-            continue
-        frames = _FRAME_RE.findall(trace)
-        best = None
-        for fname, line, func in frames:
-            if os.path.abspath(fname) in _WRAPPER_FILES:
-                break
-            best = (f"{fname}:{line}", func)
-        if best is not None:
-            return best
-    return ("<unknown>", "<unknown>")
+    return custom_meta(node).get(META_ROLE)
 
 
 def _mesh_of(enter: Sequence[fx.Node], exits: Sequence[fx.Node]) -> DeviceMesh | None:
     for n in exits:
-        val = n.meta.get("example_value")
+        val = node_value(n)
         if val is not None and hasattr(val, "device_mesh"):
             return val.device_mesh
     for n in enter:
         for a in n.all_input_nodes:
-            val = a.meta.get("example_value")
+            val = node_value(a)
             if val is not None and hasattr(val, "device_mesh"):
                 return val.device_mesh
     return None
@@ -253,11 +266,11 @@ def build_spec(ann: dict, enter, body, exits, mesh: DeviceMesh | None = None) ->
     )
 
 
-def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
+def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
     """Split annotated nodes into per-call runs (enter* body* exit*)."""
-    runs: list[tuple[dict, list[fx.Node]]] = []
+    runs: list[tuple[dict | None, list[fx.Node]]] = []
     cur: list[fx.Node] = []
-    cur_ann = None
+    cur_ann: dict | None = None
     last_role = None
     for node in gm.graph.nodes:
         role = role_of(node)
@@ -274,7 +287,7 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
                 runs.append((cur_ann, cur))
             cur, cur_ann, last_role = [], None, None
             continue
-        ann = _custom(node).get(META_SPEC)
+        ann = custom_meta(node).get(META_SPEC)
         if META_REGION in node.meta and role is None:
             role = "body"
         new_call = (
@@ -301,7 +314,7 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict, list[fx.Node]]]:
 def _local_of_enter(enter: list[fx.Node], idx: int) -> fx.Node | None:
     last = None
     for n in enter:
-        if _custom(n).get(META_INDEX) == idx:
+        if custom_meta(n).get(META_INDEX) == idx:
             last = n
     return last
 
@@ -313,7 +326,7 @@ def _extract(
     # Inputs: user arguments first, in the order the user wrote them.
     arg_locals: dict[fx.Node, int] = {}
     for n in enter:
-        idx = _custom(n).get(META_INDEX)
+        idx = custom_meta(n).get(META_INDEX)
         if idx is not None and _local_of_enter(enter, idx) is n:
             arg_locals[n] = idx
     inputs: list[RegionInput] = [
@@ -327,7 +340,7 @@ def _extract(
                 inputs.append(RegionInput("captured", None, a))
     # Outputs: values leaving the body, exit order first.
     outputs: list[fx.Node] = []
-    for e in sorted(exits, key=lambda n: _custom(n).get(META_INDEX, 0)):
+    for e in sorted(exits, key=lambda n: custom_meta(n).get(META_INDEX, 0)):
         src = e.args[0] if e.args else None
         if isinstance(src, fx.Node) and src not in outputs:
             outputs.append(src)
@@ -349,28 +362,59 @@ def _extract(
     owner = torch.nn.Module()
     for n in body:
         if n.op == "get_attr":
-            setattr(owner, n.target.replace(".", "_"), _fetch_attr(gm, n.target))
-            env[n] = sub.get_attr(n.target.replace(".", "_"))
+            local_name = str(n.target).replace(".", "_")
+            setattr(owner, local_name, fetch_attr(gm, n.target))
+            env[n] = sub.get_attr(local_name)
             env[n].meta = dict(n.meta)
             continue
         env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(tuple(env[o] if o in env else _placeholder_for(sub, env, o) for o in outputs))
+    sub.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(owner, sub, class_name="region_body"), inputs, outputs
 
 
-def _placeholder_for(sub, env, node):
-    return env[node]
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
+    """``(target, module)`` of every subgraph the higher-order op ``node`` calls."""
+    if node.op != "call_function":
+        return []
+    out = []
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            try:
+                mod = fetch_attr(gm, a.target)
+            except AttributeError:
+                continue
+            if isinstance(mod, fx.GraphModule):
+                out.append((a.target, mod))
+    return out
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
-    """The regions of ``gm`` in program order (read-only)."""
+    """The regions of ``gm`` in program order (read-only), nested subgraphs included."""
+    return _find_regions_in(gm, "", set())
+
+
+def _find_regions_in(gm: fx.GraphModule, scope: str, walked: set[int]) -> list[Region]:
+    walked.add(id(gm))
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    found: list[tuple[int, int, Region]] = []
+    for region in _regions_of_graph(gm):
+        region.owner, region.scope = gm, scope
+        first = min(position[n] for n in (*region.enter_nodes, *region.body_nodes, *region.exit_nodes))
+        found.append((first, 0, region))
+    for node in gm.graph.nodes:
+        if role_of(node) is not None or META_REGION in node.meta:
+            continue  # part of a region: its subgraphs are the region's body
+        for target, sub in subgraph_calls(gm, node):
+            if id(sub) in walked:
+                continue
+            path = f"{scope}.{target}" if scope else target
+            for region in _find_regions_in(sub, path, walked):
+                found.append((position[node], len(found) + 1, region))
+    return [r for _, _, r in sorted(found, key=lambda t: (t[0], t[1]))]
+
+
+def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:
+    """The regions whose nodes are in ``gm.graph`` itself."""
     regions: list[Region] = []
     for ann, nodes in _group_runs(gm):
         outlined = [n for n in nodes if META_REGION in n.meta]
@@ -380,7 +424,10 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             enter = [n for n in nodes if role_of(n) == "enter"]
             exits = [n for n in nodes if role_of(n) == "exit"]
             body = [n for n in nodes if n not in enter and n not in exits]
-            sub = _fetch_attr(gm, node.args[0].target)
+            body_attr = node.args[0]
+            if not isinstance(body_attr, fx.Node):
+                raise AssertionError(f"outlined region {node.name} has no subgraph attribute")
+            sub = fetch_attr(gm, body_attr.target)
             regions.append(
                 Region(
                     node=node,

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 try:
     import spmd_types as spmd
 except ImportError:  # pragma: no cover - reported by validate.check_spmd_types_available()
-    spmd = None
+    spmd = None  # type: ignore[assignment]
 
 __all__ = [
     "placements_to_spmd_type",
@@ -230,7 +230,7 @@ def out_grad_placements(
                     f"out_placements={placement} but spmd_types inferred "
                     f"spmd.{actual.name}"
                 )
-        grad_spec = []
+        grad_spec: list[Placement] = []
         for dim, placement in enumerate(spec):
             t = actual_type[axis_of(dim)]
             if t == spmd.V and type(placement) is Partial:

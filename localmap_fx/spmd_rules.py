@@ -64,11 +64,12 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-from torch._ops import OpOverload, OpOverloadPacket
-
 import spmd_types as spmd
+import torch
 from spmd_types import I, P, R, V
+from torch._ops import OpOverload
+
+from .graph_utils import NON_COLLECTIVE_OPS, funcol_op
 
 __all__ = [
     "CollectiveRule",
@@ -78,12 +79,6 @@ __all__ = [
     "rules",
     "rules_table_markdown",
 ]
-
-_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-
-# reduce ops whose all_reduce / reduce_scatter are linear maps
-_LINEAR_REDUCE_OPS = ("sum", "avg")
-
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRule:
@@ -218,7 +213,7 @@ RULES: tuple[CollectiveRule, ...] = (
 )
 
 # ops that pass their input through unchanged (type included)
-_IDENTITY_OPS = ("wait_tensor", "_wrap_tensor_autograd")
+_IDENTITY_OPS = NON_COLLECTIVE_OPS
 
 # argument names, per op, of the tensor(s), the reduce op and the group
 _ARGS = {
@@ -275,7 +270,7 @@ def axis_of_group(group: Any):
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return spmd.MeshAxis.of(_resolve_process_group(group))
+        return spmd.MeshAxis.of(_resolve_process_group(group))  # type: ignore[arg-type]  # GroupName is a str NewType
     if isinstance(group, dist.ProcessGroup):
         return spmd.MeshAxis.of(group)
     raise ValueError(
@@ -348,7 +343,7 @@ def _fix_for(rule: CollectiveRule, t) -> str:
 def _type_error(msg: str) -> spmd.SpmdTypeError:
     """An ``SpmdTypeError`` of these rules (marked: see spmd_check._as_eager_text)."""
     e = spmd.SpmdTypeError(msg)
-    e._localmap_fx_rule = True
+    e.__dict__["_localmap_fx_rule"] = True
     return e
 
 
@@ -433,19 +428,6 @@ def _bind(func, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _op_name(func) -> tuple[str, str] | None:
-    """``(namespace, name)`` of a functional-collective op, else None."""
-    if isinstance(func, OpOverload):
-        ns, name = func._schema.name.split("::", 1)
-    elif isinstance(func, OpOverloadPacket):
-        ns, name = func._qualified_op_name.split("::", 1)
-    else:
-        return None
-    if ns not in _NAMESPACES:
-        return None
-    return ns, name
-
-
 def _run_unchecked(func, args, kwargs):
     with spmd.no_typecheck():
         return func(*args, **kwargs)
@@ -502,7 +484,7 @@ def _unknown(name: str):
 @functools.lru_cache(maxsize=None)
 def _handler(func):
     """What to do with ``func``: None (not ours), or a callable(func, args, kwargs)."""
-    name = _op_name(func)
+    name = funcol_op(func)
     if name is None:
         return None
     ns, op = name

@@ -21,9 +21,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
+from . import argtree
+
 __all__ = [
+    "describe",
     "as_placements",
-    "normalize_in_specs",
     "normalize_out_specs",
     "check_in_count",
     "check_dtensor_in_spec",
@@ -33,7 +35,6 @@ __all__ = [
     "check_out_count",
     "check_output_value",
     "check_spec_fits_mesh",
-    "check_grad_fits_mesh",
 ]
 
 
@@ -42,24 +43,6 @@ def as_placements(spec: Any) -> tuple[Placement, ...] | None:
     if spec is None or isinstance(spec, tuple):
         return spec
     return tuple(spec)
-
-
-def normalize_in_specs(specs: Any) -> tuple | None:
-    """in_placements / in_grad_placements with each entry as a tuple.
-
-    Entries that are not sequences are kept as they are so that the errors
-    torch raises for them (at call time, for the offending argument) still
-    happen at the same point.
-    """
-    if specs is None:
-        return None
-    out = []
-    for s in specs:
-        if isinstance(s, (list, tuple)):
-            out.append(tuple(s))
-        else:
-            out.append(s)
-    return tuple(out)
 
 
 def normalize_out_specs(out_placements: Any) -> tuple:
@@ -116,7 +99,10 @@ def check_dtensor_grad_spec(arg: DTensor, idx: int, spec: Any) -> tuple:
             f"\n[localmap_fx] in_grad_placements[{idx}] is None for a DTensor "
             "argument: give the placements its gradient should have."
         )
-    return _as_placements_for(spec, f"in_grad_placements[{idx}]")
+    placements = _as_placements_for(spec, f"in_grad_placements[{idx}]")
+    if placements is None:
+        raise AssertionError(f"in_grad_placements[{idx}] normalised to None")
+    return placements
 
 
 def _as_placements_for(spec: Any, where: str) -> tuple | None:
@@ -212,10 +198,6 @@ def check_spec_fits_mesh(spec: tuple, mesh_ndim: int, where: str, ndim: int | No
                 )
 
 
-def check_grad_fits_mesh(spec: tuple, mesh_ndim: int, where: str) -> None:
-    check_spec_fits_mesh(spec, mesh_ndim, where, None)
-
-
 # --- Checks on descriptions of values (the compiled path) ---------------------
 #
 # Note: [Checking under torch.compile]
@@ -258,8 +240,19 @@ class Described:
     __repr__ = __str__
 
 
+def describe(x: Any) -> tuple:
+    """A constant description of ``x`` (Dynamo passes it to real Python; see the Note above)."""
+    if isinstance(x, DTensor):
+        return ("dtensor", x.placements, x.ndim, len(x.placements))
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.ndim)
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return ("value", x)
+    return ("object", type(x).__name__)
+
+
 def described(desc: tuple) -> Described:
-    """A :class:`Described` from the constant tuple capture builds (see capture.describe)."""
+    """A :class:`Described` from a :func:`describe` tuple."""
     kind = desc[0]
     if kind == "dtensor":
         return Described("dtensor", tuple(desc[1]), desc[2], mesh_ndim=desc[3])
@@ -305,8 +298,6 @@ def plan_nested_inputs(
 
     Returns ``(plan, flat in_placements, flat in_grad_placements)``.
     """
-    from . import argtree
-
     specs = argtree.resolve(in_placements, list(paths), param_names)
     grads = in_grad_placements
     if grads is not None and (isinstance(grads, dict) or len(grads) != len(descs)):
@@ -341,7 +332,7 @@ def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
     check_out_count(len(descs), out_specs)
     for idx, (desc, spec) in enumerate(zip(descs, out_specs)):
         out = described(desc)
-        if out.kind == "tensor":
+        if out.kind == "tensor" and out.ndim is not None:
             check_out_spec_fits(spec, idx, mesh_ndim, out.ndim)
             _check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":

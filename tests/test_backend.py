@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def test_options_are_a_frozen_dataclass():
     opts = localmap_fx.backend("eager", outline=False).options
     assert isinstance(opts, localmap_fx.BackendOptions)
     assert (opts.inner, opts.outline, opts.fuse_boundaries) == ("eager", False, True)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         opts.inner = "inductor"
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import local_map as torch_local_map
 
 import localmap_fx

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
 pytest.importorskip("torch.distributed")
 
-# benchmarks/ sits next to tests/ (it is not part of the installed package)
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from benchmarks import run as bench  # noqa: E402
+# benchmarks/ is a package next to tests/ (not installed): pytest puts the
+# repository root on sys.path (pythonpath in pyproject.toml).
+from benchmarks import run as bench
 
 
 def _synthetic_compiled() -> dict:

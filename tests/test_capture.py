@@ -7,16 +7,20 @@ graphs are compared with what eager runs for the same program.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from expecttest import TestCase
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import localmap_fx
+from localmap_fx.graph_utils import is_collective
 from localmap_fx.testing.graphs import (
     Recorder,
     collective_counts,
     eager_collective_counts,
+    model_sites,
     normalized,
 )
 from localmap_fx.testing.models import MODELS
@@ -41,7 +45,7 @@ def _regions_text(gm) -> str:
         out.append("  inputs: " + ", ".join(
             f"{i.kind}{'' if i.index is None else i.index}={i.node.name}" for i in r.inputs
         ))
-    return "\n".join(out) + "\n"
+    return model_sites("\n".join(out) + "\n")
 
 
 def _aot_collectives(rec: Recorder) -> str:
@@ -52,7 +56,7 @@ def _aot_collectives(rec: Recorder) -> str:
             for mod in gm.modules():
                 if isinstance(mod, torch.fx.GraphModule):
                     for n in mod.graph.nodes:
-                        if n.op == "call_function" and "c10d_functional" in str(n.target) and "wait" not in str(n.target):
+                        if is_collective(n):
                             ops.append(str(n.target).replace("_c10d_functional.", ""))
         lines.append(f"{kind}: {', '.join(ops) or '-'}")
     return "\n".join(lines) + "\n"
@@ -65,9 +69,9 @@ class TestPinnedGraphs(TestCase):
         rec = _compile("tp_mlp")
         captured = rec.stage("captured")
         self.assertExpectedInline(_regions_text(captured), """\
-_col: in=[R, S(1)] out=[S(1)] in_grad=[P, S(1)] mesh=tp:4 @ models.py:77 in _tp_mlp_step
+_col: in=[R, S(1)] out=[S(1)] in_grad=[P, S(1)] mesh=tp:4 @ models.py:_tp_mlp_step+2 in _tp_mlp_step
   inputs: arg0=local, arg1=local_1
-_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:78 in _tp_mlp_step
+_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:_tp_mlp_step+3 in _tp_mlp_step
   inputs: arg0=local_2, arg1=local_3
 """)
         regions = localmap_fx.find_regions(captured)
@@ -131,17 +135,17 @@ class GraphModule(torch.nn.Module):
         local: "f32[2, 8]" = l_s_x_.to_local(grad_placements = (Shard(dim=0),))
         local_1: "f32[8, 8]" = l_s_ws_0_.to_local(grad_placements = (Partial('sum'),))
         localmap_fx_body_0 = self.localmap_fx_body_0
-        invoke_subgraph = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_0, 'localmap_fx_body_0__layer', local, local_1)
-        getitem: "f32[2, 8]" = invoke_subgraph[0]
-        local_3: "f32[8, 8]" = l_s_ws_1_.to_local(grad_placements = (Partial('sum'),))
-        localmap_fx_body_1 = self.localmap_fx_body_0
-        invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_1, 'localmap_fx_body_0__layer', getitem, local_3)
-        getitem_1: "f32[2, 8]" = invoke_subgraph_1[0]
-        local_5: "f32[8, 8]" = l_s_ws_2_.to_local(grad_placements = (Partial('sum'),))
-        localmap_fx_body_2 = self.localmap_fx_body_0
-        invoke_subgraph_2 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_2, 'localmap_fx_body_0__layer', getitem_1, local_5)
+        invoke_subgraph_2 = torch.ops.higher_order.invoke_subgraph(localmap_fx_body_0, 'localmap_fx_body_0__layer', local, local_1)
         getitem_2: "f32[2, 8]" = invoke_subgraph_2[0]
-        dt_2: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(getitem_2, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
+        local_3: "f32[8, 8]" = l_s_ws_1_.to_local(grad_placements = (Partial('sum'),))
+        subgraph_0 = self.localmap_fx_body_0
+        invoke_subgraph = torch.ops.higher_order.invoke_subgraph(subgraph_0, 'localmap_fx_body_0__layer', getitem_2, local_3)
+        out_1: "f32[2, 8]" = invoke_subgraph[0]
+        local_5: "f32[8, 8]" = l_s_ws_2_.to_local(grad_placements = (Partial('sum'),))
+        subgraph_1 = self.localmap_fx_body_0
+        invoke_subgraph_1 = torch.ops.higher_order.invoke_subgraph(subgraph_1, 'localmap_fx_body_0__layer', out_1, local_5)
+        out_2: "f32[2, 8]" = invoke_subgraph_1[0]
+        dt_2: "DTensor(f32[8, 8], S(0))" = torch.distributed.tensor._api.from_local(out_2, l_s_x_device_mesh, (Shard(dim=0),), run_check = False, grad_placements = (Shard(dim=0),))
         redistribute: "DTensor(f32[8, 8], R)" = dt_2.redistribute(l_s_x_device_mesh, [Replicate()])
         sum_1: "DTensor(f32[], R)" = redistribute.sum()
         return (sum_1,)
@@ -164,7 +168,7 @@ backward: -
     def test_redistribute_region(self):
         rec = _compile("redistribute")
         self.assertExpectedInline(_regions_text(rec.stage("captured")), """\
-_scale_rows: in=[S(0), R] out=[S(0)] mesh=tp:4 redistribute_inputs @ models.py:154 in _redistribute_step
+_scale_rows: in=[S(0), R] out=[S(0)] mesh=tp:4 redistribute_inputs @ models.py:_redistribute_step+2 in _redistribute_step
   inputs: arg0=local, arg1=local_1
 """)
         self.assertExpectedInline(normalized(rec.stage("fuse_boundaries")), """\
@@ -198,9 +202,9 @@ backward: all_gather_into_tensor.default
     def test_attention_regions(self):
         rec = _compile("attention")
         self.assertExpectedInline(_regions_text(rec.stage("captured")), """\
-_attn: in=[R, S(1), S(1), S(1), None] out=[S(1)] in_grad=[P, S(1), S(1), S(1), None] mesh=tp:4 @ models.py:124 in _attn_step
+_attn: in=[R, S(1), S(1), S(1), None] out=[S(1)] in_grad=[P, S(1), S(1), S(1), None] mesh=tp:4 @ models.py:_attn_step+2 in _attn_step
   inputs: arg0=local, arg1=local_1, arg2=local_2, arg3=local_3
-_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:125 in _attn_step
+_row: in=[S(1), S(0)] out=[P] mesh=tp:4 @ models.py:_attn_step+3 in _attn_step
   inputs: arg0=local_4, arg1=local_5
 """)
         regions = localmap_fx.find_regions(rec.stage("captured"))
@@ -233,9 +237,9 @@ backward: -
     def test_mesh2d_regions(self):
         rec = _compile("mesh2d")
         self.assertExpectedInline(_regions_text(rec.stage("captured")), """\
-_col: in=[(S(0),R), (R,S(1))] out=[(S(0),S(1))] in_grad=[(S(0),P), (P,S(1))] mesh=dp:2xtp:2 @ models.py:266 in _mesh2d_step
+_col: in=[(S(0),R), (R,S(1))] out=[(S(0),S(1))] in_grad=[(S(0),P), (P,S(1))] mesh=dp:2xtp:2 @ models.py:_mesh2d_step+2 in _mesh2d_step
   inputs: arg0=local, arg1=local_1
-_row: in=[(S(0),S(1)), (R,S(0))] out=[(S(0),P)] in_grad=[(S(0),S(1)), (P,S(0))] mesh=dp:2xtp:2 @ models.py:267 in _mesh2d_step
+_row: in=[(S(0),S(1)), (R,S(0))] out=[(S(0),P)] in_grad=[(S(0),S(1)), (P,S(0))] mesh=dp:2xtp:2 @ models.py:_mesh2d_step+3 in _mesh2d_step
   inputs: arg0=local_2, arg1=local_3
 """)
         self.assertExpectedInline(normalized(rec.stage("fuse_boundaries")), """\
@@ -288,7 +292,6 @@ def test_aot_collectives_match_eager(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_no_region_lost_or_split(name):
-    m = MODELS[name]
     rec = _compile(name)
     expected = {"loop3": 3, "redistribute": 1, "partial_grad": 1}.get(name, 2)
     for stage in ("captured", "outline_regions", "lower_boundaries", "fuse_boundaries"):
@@ -372,7 +375,7 @@ def test_non_fullgraph_regions_in_each_graph():
 def test_region_spec_is_frozen_and_hashable():
     rec = _compile("tp_mlp")
     spec = localmap_fx.find_regions(rec.stage("captured"))[0].spec
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.func = "other"
     assert hash(spec) == hash(localmap_fx.find_regions(rec.stage("captured"))[0].spec)
     assert spec.mesh_shape == (4,) and spec.mesh_dim_names == ("tp",)

@@ -20,11 +20,12 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 from expecttest import TestCase
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import localmap_fx
-from localmap_fx.debug import cli, draw
+from localmap_fx.debug import cli, draw, layout
 from localmap_fx.debug.dump import ENV_VAR, DumpDirError, FrameFolder, inspector_for
-from localmap_fx.testing.graphs import Recorder
+from localmap_fx.testing.graphs import Recorder, model_sites
 from localmap_fx.testing.models import MODELS
 
 from helpers import mesh_for
@@ -106,9 +107,9 @@ class TestKnownDump(TestCase):
 
     def test_region_file_has_header_and_local_body(self):
         with open(os.path.join(self.tp_mlp, "region_1.txt")) as f:
-            text = f.read()
+            text = model_sites(f.read())
         assert "# spec:      _row: in=[S(1), S(0)] out=[P] mesh=tp:4" in text
-        assert re.search(r"# called at: .*models\.py:78 in _tp_mlp_step", text)
+        assert re.search(r"# called at: .*models\.py:_tp_mlp_step\+3 in _tp_mlp_step", text)
         assert 'def forward(self, arg0: "f32[8, 8]", arg1: "f32[8, 16]")' in text
 
     def test_summary_json_regions_and_collectives(self):
@@ -130,7 +131,7 @@ class TestKnownDump(TestCase):
 
     def test_summary_md_pinned(self):
         with open(os.path.join(self.redistribute, "summary.md")) as f:
-            text = _norm(f.read())
+            text = model_sites(_norm(f.read()))
         # Hand-checked: x arrives S(1) and is needed S(0) (DTensor plans
         # all_to_all; the CPU group runs it as all_gather + chunk), w goes
         # S(0) -> R (all_gather); the user's y.redistribute(R) gathers once
@@ -146,7 +147,7 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
 
 | id | region | call site | mesh | in | out | in grad | out grad | local inputs | local outputs |
 |---|---|---|---|---|---|---|---|---|---|
-| r0 | _scale_rows | models.py:154 (_redistribute_step) | tp:4 | S(1)->S(0), S(0)->R | S(0) | S(0), R | S(0) | f32[2, 8], f32[8, 8] | f32[2, 8] |
+| r0 | _scale_rows | models.py:_redistribute_step+2 (_redistribute_step) | tp:4 | S(1)->S(0), S(0)->R | S(0) | S(0), R | S(0) | f32[2, 8], f32[8, 8] | f32[2, 8] |
 
 ## Redistributions at region entry (planned)
 
@@ -159,10 +160,10 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
 
 | # | phase | op | mesh dim | group size | bytes/rank | caused by | source line |
 |---|---|---|---|---|---|---|---|
-| 0 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:154 |
-| 1 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg1 | models.py:154 |
-| 2 | forward | all_gather_into_tensor | tp | 4 | 64 | user code (input from r0) | models.py:155 |
-| 3 | backward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:154 |
+| 0 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:_redistribute_step+2 |
+| 1 | forward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg1 | models.py:_redistribute_step+2 |
+| 2 | forward | all_gather_into_tensor | tp | 4 | 64 | user code (input from r0) | models.py:_redistribute_step+3 |
+| 3 | backward | all_gather_into_tensor | tp | 4 | 64 | r0 _scale_rows enter arg0 | models.py:_redistribute_step+2 |
 
 ## Files
 
@@ -195,9 +196,9 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
         assert (rc, out.strip()) == (0, "no difference in regions or collectives")
         rc, out, _ = _run_cli("inspect", self.tp_mlp, "--diff", self.redistribute)
         assert rc == 1
-        lines = out.splitlines()
-        assert "  - region r0 _col (models.py:77)" in lines
-        assert "  + region r0 _scale_rows (models.py:154)" in lines
+        lines = model_sites(out).splitlines()
+        assert "  - region r0 _col (models.py:_tp_mlp_step+2)" in lines
+        assert "  + region r0 _scale_rows (models.py:_redistribute_step+2)" in lines
         assert "  ~ forward collectives: 1 -> 3" in lines
         assert "  ~ backward collectives: 0 -> 1" in lines
         assert "  - 1x forward all_reduce (sum) tp x4 512 B/rank, user code (input from r1)" in lines
@@ -217,35 +218,86 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
         assert dot.startswith("digraph localmap_fx {")
         assert '"r0" -> "r1" [label="arg0: S(1)"];' in dot
 
-    def test_svg_parses_as_xml(self):
-        if draw.find_dot() is None:
-            pytest.skip("Graphviz `dot` is not installed (.ci/run installs it with apt-get)")
-        out = os.path.join(os.path.dirname(self.redistribute), "regions.svg")
-        rc, _, err = _run_cli("inspect", self.redistribute, "-q", "--svg", out)
-        assert rc == 0, err
-        root = ET.parse(out).getroot()
-        assert root.tag.endswith("svg")
-        texts = " ".join(t.text or "" for t in root.iter() if t.tag.endswith("text"))
-        assert "_scale_rows" in texts and "all_gather_into_tensor" in texts
-        # Writing again replaces our own file; a foreign file is left alone.
-        assert _run_cli("inspect", self.redistribute, "-q", "--svg", out)[0] == 0
-        foreign = os.path.join(os.path.dirname(self.redistribute), "notes.svg")
-        with open(foreign, "w") as f:
-            f.write("<svg>mine</svg>")
-        rc, _, err = _run_cli("inspect", self.redistribute, "-q", "--svg", foreign)
-        assert rc == 2 and "--force" in err
-        with open(foreign) as f:
-            assert f.read() == "<svg>mine</svg>"
 
-    def test_missing_dot_says_how_to_install(self):
-        orig = draw.find_dot
-        draw.find_dot = lambda: None
-        try:
-            rc, _, err = _run_cli("inspect", self.redistribute, "-q", "--svg", os.path.join(self.redistribute, "..", "x.svg"))
-        finally:
-            draw.find_dot = orig
-        assert rc == 3
-        assert "apt-get install graphviz" in err and "brew install graphviz" in err
+# --- drawing ------------------------------------------------------------------------
+
+
+def test_svg_without_graphviz(redistribute_dump, monkeypatch):
+    # our own layout: works with Graphviz absent
+    monkeypatch.setattr(draw, "find_dot", lambda: None)
+    out = os.path.join(os.path.dirname(redistribute_dump), "regions.svg")
+    rc, _, err = _run_cli("inspect", redistribute_dump, "-q", "--svg", out)
+    assert rc == 0, err
+    root = ET.parse(out).getroot()
+    assert root.tag.endswith("svg")
+    texts = " ".join(t.text or "" for t in root.iter() if t.tag.endswith("text"))
+    assert "_scale_rows" in texts and "all_gather_into_tensor" in texts and "S(1)->S(0)" in texts
+    groups = [g for g in root.iter() if g.tag.endswith("g")]
+    nodes = {g.get("id") for g in groups if "node" in (g.get("class") or "")}
+    # 2 inputs, 1 region, the output, 4 collectives (3 forward, 1 backward)
+    assert nodes == {"in0", "in1", "r0", "out", "c0", "c1", "c2", "c3"}
+    edges = {(g.get("data-src"), g.get("data-dst")) for g in groups if g.get("class") == "edge"}
+    assert {("in0", "r0"), ("in1", "r0"), ("r0", "out"), ("c0", "r0"), ("r0", "c2")} <= edges
+    # Writing again replaces our own file; a foreign file is left alone.
+    assert _run_cli("inspect", redistribute_dump, "-q", "--svg", out)[0] == 0
+    foreign = os.path.join(os.path.dirname(redistribute_dump), "notes.svg")
+    with open(foreign, "w") as f:
+        f.write("<svg>mine</svg>")
+    rc, _, err = _run_cli("inspect", redistribute_dump, "-q", "--svg", foreign)
+    assert rc == 2 and "--force" in err
+    with open(foreign) as f:
+        assert f.read() == "<svg>mine</svg>"
+
+def test_png(tp_mlp_dump):
+    pil = pytest.importorskip("PIL.Image", reason="Pillow draws PNGs (requirements-dev.txt installs it)")
+    out = os.path.join(os.path.dirname(tp_mlp_dump), "regions.png")
+    rc, _, err = _run_cli("inspect", tp_mlp_dump, "-q", "--png", out)
+    assert rc == 0, err
+    with pil.open(out) as img:
+        assert img.format == "PNG" and img.width > 400 and img.height > 100
+        assert img.text.get("Software") == "localmap_fx region graph"
+        # not blank: the boxes are filled
+        assert len(set(img.convert("RGB").getdata())) > 10
+    assert _run_cli("inspect", tp_mlp_dump, "-q", "--png", out)[0] == 0  # ours: replaced
+
+def test_svg_with_graphviz(redistribute_dump):
+    if draw.find_dot() is None:
+        pytest.skip("Graphviz `dot` is not installed (only --layout graphviz needs it)")
+    out = os.path.join(os.path.dirname(redistribute_dump), "regions_dot.svg")
+    rc, _, err = _run_cli("inspect", redistribute_dump, "-q", "--layout", "graphviz", "--svg", out)
+    assert rc == 0, err
+    texts = " ".join(t.text or "" for t in ET.parse(out).getroot().iter() if t.tag.endswith("text"))
+    assert "_scale_rows" in texts and "all_gather_into_tensor" in texts
+    png = os.path.join(os.path.dirname(redistribute_dump), "regions_dot.png")
+    for _ in range(2):  # the second run replaces the file it wrote (marker chunk)
+        rc, _, err = _run_cli("inspect", redistribute_dump, "-q", "--layout", "graphviz", "--png", png)
+        assert rc == 0, err
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+def test_missing_dot_says_how_to_install(redistribute_dump, monkeypatch):
+    monkeypatch.setattr(draw, "find_dot", lambda: None)
+    x = os.path.join(redistribute_dump, "..", "x.svg")
+    rc, _, err = _run_cli("inspect", redistribute_dump, "-q", "--layout", "graphviz", "--svg", x)
+    assert rc == 3
+    assert "apt-get install graphviz" in err and "brew install graphviz" in err
+    assert "Drop --layout graphviz" in err
+
+def test_drawing_a_torchrun_dump_picks_rank0(tp_mlp_dump, tmp_path):
+    # a torchrun dump: one frame per rank (and rank 0 compiled two frames)
+    with open(os.path.join(tp_mlp_dump, "summary.json")) as f:
+        s = json.load(f)
+    for name in ("rank1-frame0-0", "rank0-frame1-0", "rank0-frame0-0", "rank10-frame0-0"):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "summary.json", "w") as f:
+            json.dump({**s, "frame": name}, f)
+    out = str(tmp_path / "g.svg")
+    rc, _, err = _run_cli("inspect", str(tmp_path), "-q", "--svg", out)
+    assert rc == 0, err
+    assert "drawing rank0-frame0-0 (rank 0's first)" in err and "--frame" in err
+    assert "rank0-frame0-0" in " ".join(t.text or "" for t in ET.parse(out).getroot().iter())
+    rc, _, err = _run_cli("inspect", str(tmp_path), "-q", "--frame", "rank1-frame0-0", "--svg", out, "--force")
+    assert rc == 0 and "rank1-frame0-0" in err
 
 
 def test_dot_text_escapes_labels():
@@ -259,7 +311,10 @@ def test_dot_text_escapes_labels():
     dot = draw.to_dot(summary)
     assert 'we\\"ird\\\\name' in dot
     if draw.find_dot() is not None:
-        ET.fromstring(draw.render_svg(dot))
+        ET.fromstring(draw.render_graphviz(dot))
+    # our SVG escapes the same label for XML
+    svg = layout.to_svg(layout.layout(draw.scene(summary)))
+    assert 'we"ird\\name' in " ".join(t.text or "" for t in ET.fromstring(svg).iter())
 
 
 # --- attribution, frames, options ------------------------------------------------
@@ -425,3 +480,51 @@ def test_torch_logs_regions_artifact():
     assert "[__localmap_fx_regions]" in out.stderr
     assert "# localmap_fx region r0: _col" in out.stderr
     assert "| r0 | _col |" in out.stderr
+
+
+# --- data-dependent sizes (issue #11) -----------------------------------------------
+
+
+@localmap_fx.local_map(out_placements=[Shard(0)], in_placements=([Shard(0)],))
+def _scale(x):
+    return x * 2
+
+
+def test_data_dependent_split_sizes_keep_the_collective_table(tmp_path):
+    # all_to_all split sizes from .tolist() (capture_scalar_outputs): the second
+    # exchange's input has a size known only at run time (u0 + u1 + ...).  Its
+    # bytes must be written as an expression, the table kept.
+    import torch.distributed._functional_collectives as funcol
+
+    mesh = mesh_for(1)
+    group = mesh.get_group(0)
+
+    def step(x, splits):
+        local = _scale(x).to_local()
+        sizes = splits.tolist()
+        out = funcol.all_to_all_single(local, sizes, sizes, group)
+        return funcol.all_to_all_single(out * 3, sizes, sizes, group)
+
+    x = distribute_tensor(torch.randn(16, 8, requires_grad=True), mesh, [Shard(0)])
+    splits = torch.ones(4, dtype=torch.int64)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(step, backend=localmap_fx.backend("aot_eager", dump_dir=str(tmp_path)), fullgraph=True)(
+            x, splits
+        )
+        out.sum().backward()
+    torch._dynamo.reset()
+    frame = _only_frame(tmp_path)
+    with open(os.path.join(frame, "summary.json")) as f:
+        s = json.load(f)
+    assert s["errors"] == []
+    fwd, bwd = s["collectives"]["forward"], s["collectives"]["backward"]
+    assert [c["op"] for c in fwd] == ["all_to_all_single", "all_to_all_single"]
+    assert fwd[0]["bytes_per_rank"] == 4 * 8 * 4  # local 4x8 f32: static
+    symbolic = fwd[1]
+    assert isinstance(symbolic["bytes_per_rank"], str) and "u0" in symbolic["bytes_per_rank"]
+    assert symbolic["input"]["shape"][1] == 8 and "u0" in symbolic["input"]["shape"][0]
+    assert len(bwd) == 2 and all(isinstance(c["bytes_per_rank"], str) for c in bwd)
+    assert [r["func"] for r in s["regions"]] == ["_scale"]
+    with open(os.path.join(frame, "summary.md")) as f:
+        md = f.read()
+    assert f"| {symbolic['bytes_per_rank']} |" in md.replace("\\|", "|")

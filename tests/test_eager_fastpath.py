@@ -111,7 +111,7 @@ def test_no_grad_input_is_the_local_tensor(mesh1d):
         [Partial("max")],
     ],
     # out_placements=None for a tensor output: a documented call-time error
-    # (docs/user-guide.md, "Troubleshooting"), covered by tests/test_bad_inputs.py
+    # (docs/user-guide.md, "Deviations from torch"), covered by tests/test_bad_inputs.py
     ids=["shard_neg1", "shard_neg2_tuple", "partial", "partial_max"],
 )
 def test_output_specs_taking_the_public_from_local(mesh1d, out_placements):

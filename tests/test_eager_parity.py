@@ -279,8 +279,9 @@ def _torch_local_map_typed_grads(
     ``to_local()``'s default (Replicate, wrong for a type-R input).  This is
     torch's local_map called with exactly those ``in_grad_placements``.
     """
-    from localmap_fx.spmd import typed_in_grad_placements
     from torch.distributed.tensor._api import _normalize_placements_for_grad
+
+    from localmap_fx.spmd import typed_in_grad_placements
 
     kw = dict(redistribute_inputs=redistribute_inputs, spmd_types=spmd_types)
     if func is None:
@@ -887,7 +888,7 @@ def _same_twice(m):
 def test_special(meshes, name):
     if name in UNEVEN_GLOBAL_SHAPE:
         # pytorch #172812: torch assumes even shards when wrapping outputs;
-        # ours infers the true global shape (docs/user-guide.md, "Troubleshooting").
+        # ours infers the true global shape (docs/user-guide.md, "Deviations from torch").
         theirs = outcome(torch_local_map, SPECIAL[name], meshes)
         ours = outcome(our_local_map, SPECIAL[name], meshes)
         assert theirs.error is None and ours.error is None
@@ -899,7 +900,7 @@ def test_special(meshes, name):
         return
     if name in CALL_TIME_ERRORS:
         # torch accepts the call silently; we raise at the call (documented in
-        # docs/user-guide.md, "Troubleshooting", "Deviations"): check both halves.
+        # docs/user-guide.md, "Deviations from torch"): check both halves.
         assert outcome(torch_local_map, SPECIAL[name], meshes).error is None
         ours = outcome(our_local_map, SPECIAL[name], meshes).error
         assert ours is not None and ours[1] is CALL_TIME_ERRORS[name], ours

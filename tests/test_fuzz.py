@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import localmap_fx
 

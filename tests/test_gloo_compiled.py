@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 MODELS_1D = ["tp_mlp", "attention", "redistribute", "partial_grad", "loop3", "spmd"]
 
@@ -40,7 +40,7 @@ def _compare_models(rank: int, world_size: int, device: str) -> dict:
     for name in MODELS_1D:
         m = MODELS[name]
 
-        def run(step):
+        def run(step, m=m):
             state = m.build(mesh, 0)
             loss = step(state)
             loss.backward()

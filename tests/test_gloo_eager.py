@@ -26,7 +26,8 @@ import traceback
 
 import pytest
 import torch
-from dist_harness import run_ranks
+
+from localmap_fx.testing.dist import run_ranks
 
 WORLD_SIZE = 2
 B, D, H = 4, 8, 16  # batch, model dim, hidden dim (H and D divisible by 2)
@@ -234,7 +235,7 @@ def test_matches_single_device(ranks, case):
         ref = res["ref"]
         ours = _get(res, case, "ours")
         torch.testing.assert_close(
-            ours["out"], ref["out"], rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank} out: {m}"
+            ours["out"], ref["out"], rtol=RTOL, atol=ATOL, msg=lambda m, rank=rank: f"rank {rank} out: {m}"
         )
         for name in PARAMS:
             torch.testing.assert_close(
@@ -242,7 +243,7 @@ def test_matches_single_device(ranks, case):
                 ref["grads"][name],
                 rtol=RTOL,
                 atol=ATOL,
-                msg=lambda m: f"rank {rank} grad of {name}: {m}",
+                msg=lambda m, rank=rank, name=name: f"rank {rank} grad of {name}: {m}",
             )
 
 
@@ -316,7 +317,7 @@ def _raise_on_rank1(rank: int, world_size: int, device: str) -> None:
 
 def test_harness_reraises_child_exception():
     """run_ranks re-raises the first failing rank's error with its traceback."""
-    from dist_harness import RankTraceback
+    from localmap_fx.testing.dist import RankTraceback
 
     with pytest.raises(ValueError, match="raised on purpose by rank 1") as info:
         run_ranks(_raise_on_rank1, world_size=2, timeout=60)

@@ -32,7 +32,7 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 MODELS = ("llama", "moe")
 FP32_TOL = 1e-5  # |diff| <= FP32_TOL * (1 + max |reference|)

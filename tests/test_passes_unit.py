@@ -141,3 +141,47 @@ def test_outline_replaces_each_body_with_invoke_subgraph():
     dt = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh_1d(), [S0])
     out = gm(dt, mesh_1d(), torch.full((4,), 2.0))
     assert torch.equal(out.to_local(), dt.to_local().sin() * 2)
+
+
+def _cond_graph():
+    """out = cond(p, true: sin_region(x), false: scale_region(x, w)): regions in branches."""
+    mesh = mesh_1d()
+    dt = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [S0])
+    w = torch.full((4,), 2.0)
+    branches = []
+    for body, extra in ((_body_sin, False), (_body_scale, True)):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["example_value"] = dt
+        m = g.placeholder("mesh")
+        wn = g.placeholder("w")
+        wn.meta["example_value"] = w
+        ann = _ann(body, ([S0],), ([S0],))
+        g.output((_region(g, x, m, dt, ann, body, [S0], extra=wn if extra else None),))
+        branches.append(fx.GraphModule(torch.nn.Module(), g))
+    root = torch.nn.Module()
+    root.true_graph_0, root.false_graph_0 = branches
+    g = fx.Graph()
+    p, x, m, wn = (g.placeholder(n) for n in ("p", "x", "mesh", "w"))
+    t, f = g.get_attr("true_graph_0"), g.get_attr("false_graph_0")
+    c = g.call_function(torch.ops.higher_order.cond, (p, t, f, (x, m, wn)))
+    g.output(g.call_function(operator.getitem, (c, 0)))
+    return fx.GraphModule(root, g)
+
+
+def test_regions_in_control_flow_branches_are_found_and_lowered():
+    gm = _cond_graph()
+    regions = localmap_fx.find_regions(gm)
+    assert [(r.spec.func, r.scope) for r in regions] == [
+        ("_body_sin", "true_graph_0"), ("_body_scale", "false_graph_0")
+    ]
+    assert regions[0].owner is gm.true_graph_0
+    assert [(i.kind, i.index) for i in regions[1].inputs] == [("arg", 0), ("captured", None)]
+    assert [m.skip_reason for m in find_outline_matches(gm)] == [
+        "inside the nested subgraph true_graph_0", "inside the nested subgraph false_graph_0"
+    ]
+    gm = lower(gm)
+    for branch in (gm.true_graph_0, gm.false_graph_0):
+        (to_local,) = [n for n in branch.graph.nodes if n.target == "to_local"]
+        assert to_local.kwargs == {"grad_placements": (S0,)}
+        assert "grad_placements" in branch.code  # the submodule was recompiled

@@ -106,7 +106,7 @@ def test_errors_name_the_argument_path(compiled):
         ]
         for spec, exc, path in cases:
             fn = localmap_fx.local_map(_body, out_placements=S0, in_placements=spec)
-            call = lambda d, ws: fn(d, ws, 2.0)  # noqa: E731
+            call = lambda d, ws, fn=fn: fn(d, ws, 2.0)  # noqa: E731
             if compiled:
                 call = torch.compile(call, backend=localmap_fx.backend("aot_eager", outline=False), fullgraph=True)
             with pytest.raises(exc) as info:

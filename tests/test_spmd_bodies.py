@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import spmd_types as spmd
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -37,7 +38,6 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
-import spmd_types as spmd
 
 from helpers import WORLD_SIZE, mesh_for
 

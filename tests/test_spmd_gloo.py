@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 GLOO_CASES = [
     "ar_sum_matmul",
@@ -62,10 +62,10 @@ def _inputs(case, mesh, seed=0):
 
 def _run_cases(rank: int, world_size: int, device: str) -> dict:
     import torch
+    from test_spmd_bodies import CASES, _as_tuple, _local_map, _reference
     from torch.distributed.device_mesh import init_device_mesh
 
     import localmap_fx
-    from test_spmd_bodies import CASES, _as_tuple, _local_map, _reference
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     report = {}

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import spmd_types as spmd
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
-import spmd_types as spmd
 from localmap_fx import spmd as lspmd
 from localmap_fx.spmd_rules import RULES, axis_of_group, rule_for, rules_table_markdown
 
@@ -188,7 +188,11 @@ def test_outside_checking_nothing_is_typed():
 # --- the backend's typecheck option and grad mode at compile time -------------------
 
 
-def _region(body, spmd_types=True, out=(Replicate(),), ins=((Shard(1),), (Shard(0),))):
+_OUT_R = (Replicate(),)
+_INS_S1_S0 = ((Shard(1),), (Shard(0),))
+
+
+def _region(body, spmd_types=True, out=_OUT_R, ins=_INS_S1_S0):
     """``body(mesh)`` is the local function (the mesh is looked up outside it)."""
     return localmap_fx.local_map(
         body(mesh_1d()), out_placements=list(out), in_placements=tuple(list(i) for i in ins),
@@ -240,7 +244,7 @@ def test_backend_typecheck_option(typecheck, spmd_types, raises):
 
 def test_grads_derived_at_compile_time_for_funcol_outputs():
     """R output -> Partial grad; typecheck='off' keeps DTensor's Replicate."""
-    from localmap_fx.lowering.boundaries import META_LOWERED
+    from localmap_fx.region import META_LOWERED
 
     for typecheck, want in (("regions", (Partial(),)), ("off", (Replicate(),))):
         seen = {}
@@ -254,7 +258,7 @@ def test_grads_derived_at_compile_time_for_funcol_outputs():
 
         fn = _region(_reduced)
         torch.compile(
-            lambda a, b: fn(a, b),
+            lambda a, b: fn(a, b),  # noqa: B023 - compiled and run in this iteration
             backend=localmap_fx.backend(
                 "aot_eager", outline=False, typecheck=typecheck, on_stage=on_stage
             ),

@@ -14,8 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from localmap_fx.shapes import output_global_shape
-
-from dist_harness import run_ranks
+from localmap_fx.testing.dist import run_ranks
 
 MODES = ("eager", "compiled")
 

@@ -28,10 +28,6 @@ def test_as_placements():
 
 
 def test_normalize_specs():
-    assert validate.normalize_in_specs(None) is None
-    assert validate.normalize_in_specs([[S0], None, (R,)]) == ((S0,), None, (R,))
-    # bad entries are kept, to fail at call time where torch fails
-    assert validate.normalize_in_specs([S0]) == (S0,)
     assert validate.normalize_out_specs(None) == (None,)
     assert validate.normalize_out_specs([S0]) == ([S0],)
     assert validate.normalize_out_specs(([S0], None)) == ([S0], None)
@@ -122,6 +118,6 @@ def test_check_spec_fits_mesh():
     with pytest.raises(ValueError, match=r"shards dimension 2 but the tensor has 2 dimensions"):
         validate.check_spec_fits_mesh((Shard(2),), 1, "in_placements[0]", 2)
     # grads: no tensor rank to check against
-    validate.check_grad_fits_mesh((Shard(5),), 1, "in_grad_placements[0]")
+    validate.check_spec_fits_mesh((Shard(5),), 1, "in_grad_placements[0]", None)
     with pytest.raises(ValueError, match=r"in_grad_placements\[0\] has 2 placements"):
-        validate.check_grad_fits_mesh((S0, R), 1, "in_grad_placements[0]")
+        validate.check_spec_fits_mesh((S0, R), 1, "in_grad_placements[0]", None)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from .formatting import short_site, tensor_text
 from .report import cause_text
-from .summary import short_site, tensor_text
 
 __all__ = ["diff_summaries", "diff_frames"]
 
@@ -48,7 +48,7 @@ def _region_fields(r: dict) -> dict[str, str]:
 def _coll_key(c: dict) -> tuple:
     return (
         c.get("phase"),
-        c.get("op") + (f" ({c['reduce_op']})" if c.get("reduce_op") else ""),
+        str(c.get("op")) + (f" ({c['reduce_op']})" if c.get("reduce_op") else ""),
         c.get("mesh_dim") or f"group {c.get('group')}",
         c.get("group_size"),
         c.get("bytes_per_rank"),
@@ -67,11 +67,11 @@ def diff_summaries(a: dict, b: dict) -> list[str]:
     ra, rb = _region_key_map(a.get("regions") or []), _region_key_map(b.get("regions") or [])
     for key in sorted(set(ra) | set(rb), key=lambda k: (k[0], k[1])):
         x, y = ra.get(key), rb.get(key)
-        if x is None:
+        if x is None and y is not None:
             out.append(f"+ region {y['id']} {y['func']} ({short_site(y.get('call_site'))})")
-        elif y is None:
+        elif y is None and x is not None:
             out.append(f"- region {x['id']} {x['func']} ({short_site(x.get('call_site'))})")
-        else:
+        elif x is not None and y is not None:
             fx_, fy = _region_fields(x), _region_fields(y)
             for name in fx_:
                 if fx_[name] != fy[name]:

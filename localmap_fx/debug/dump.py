@@ -38,9 +38,11 @@ from typing import Any
 import torch.fx as fx
 
 from ..errors import region_error
-from ..region import find_regions
-from . import logs, report, summary as sm
+from ..region import META_REGION_ID, find_regions
+from . import logs, report, tables
 from .atomic import atomic_write
+from .collectives import collective_rows
+from .region_graph import region_graph
 
 __all__ = ["ENV_VAR", "DumpDirError", "resolve_dump_dir", "FrameFolder", "FrameInspector", "inspector_for"]
 
@@ -221,33 +223,33 @@ class FrameInspector:
     def _stage(self, name: str, gm: fx.GraphModule) -> None:
         fname = _graph_file(name)
         what = _FILE_DOC.get(fname, f"the graph after the {name} pass")
-        self._emit(fname, lambda: sm.graph_text(gm), what)
+        self._emit(fname, lambda: tables.graph_text(gm), what)
         regions = find_regions(gm)
         if name == "captured":
-            self._groups = sm.mesh_groups(gm, regions)
+            self._groups = tables.mesh_groups(gm, regions)
             self.summary["groups"] = self._groups
-            self.summary["regions"] = sm.region_rows(gm, regions)
+            self.summary["regions"] = tables.region_rows(gm, regions)
             self._region_texts = []
             for k, r in enumerate(regions):
-                text = sm.region_text(f"r{k}", r)
+                text = tables.region_text(f"r{k}", r)
                 self._region_texts.append(text)
                 self._emit(
                     f"region_{k}.txt",
-                    lambda t=text: t,
+                    _constant(text),
                     f"region r{k} ({r.spec.func}): spec, call site, body at local shapes",
                 )
-        elif not self._have_lowered_rows and sm.is_lowered(gm):
+        elif not self._have_lowered_rows and tables.is_lowered(gm):
             # First graph with explicit boundaries, before fuse_boundaries drops
             # any of them: grad placements, plans and data flow are all there.
-            self.summary["regions"] = sm.region_rows(gm, regions)
-            self.summary["redistributes"] = sm.plan_rows(gm, regions)
-            self.summary["graph"] = sm.region_graph(gm, regions)
+            self.summary["regions"] = tables.region_rows(gm, regions)
+            self.summary["redistributes"] = tables.plan_rows(gm, regions)
+            self.summary["graph"] = region_graph(gm, regions)
             self._have_lowered_rows = True
             tag_regions(regions)
 
     def lowered(self, gm: fx.GraphModule) -> None:
         """The graph the inner compiler receives (after every pass)."""
-        self._guard("lowered graph", lambda: self._emit("lowered_graph.txt", lambda: sm.graph_text(gm), _FILE_DOC["lowered_graph.txt"]))
+        self._guard("lowered graph", lambda: self._emit("lowered_graph.txt", lambda: tables.graph_text(gm), _FILE_DOC["lowered_graph.txt"]))
         logs.log_regions(self._regions_log_text)
         self._write_summary(trace=True)
 
@@ -256,8 +258,8 @@ class FrameInspector:
             n = self._counts.get(kind, 0)
             self._counts[kind] = n + 1
             suffix = "" if n == 0 else f"_{n}"
-            self._emit(f"aot_{kind}{suffix}.txt", lambda: sm.graph_text(gm), _FILE_DOC.get(f"aot_{kind}.txt", f"AOT {kind} graph"))
-            rows = sm.collective_rows(kind, gm, self.summary["regions"], self._groups)
+            self._emit(f"aot_{kind}{suffix}.txt", lambda: tables.graph_text(gm), _FILE_DOC.get(f"aot_{kind}.txt", f"AOT {kind} graph"))
+            rows = collective_rows(kind, gm, self.summary["regions"], self._groups)
             self.summary["collectives"].setdefault(kind, []).extend(rows)
             if kind not in self.summary["aot_graphs"]:
                 self.summary["aot_graphs"].append(kind)
@@ -310,6 +312,10 @@ class FrameInspector:
         return dataclasses.replace(opts, on_stage=on_stage, on_aot_graph=on_aot_graph)
 
 
+def _constant(text: str) -> Callable[[], str]:
+    return lambda: text
+
+
 def tag_regions(regions) -> None:
     """Add ``localmap_fx.region_id`` ("r0", "r1", ...) to each region's nodes.
 
@@ -322,7 +328,7 @@ def tag_regions(regions) -> None:
         for node in (*region.enter_nodes, *region.body_nodes, *region.exit_nodes):
             custom = node.meta.get("custom")
             if custom:
-                node.meta["custom"] = {**custom, sm.META_REGION_ID: f"r{k}"}
+                node.meta["custom"] = {**custom, META_REGION_ID: f"r{k}"}
 
 
 def _generated_code_path(compiled: Any) -> str | None:

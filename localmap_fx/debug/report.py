@@ -1,6 +1,6 @@
 """``summary.md``: the region and collective tables as Markdown.
 
-Pure functions of ``summary.json``'s data (see :mod:`.summary`), shared by
+Pure functions of ``summary.json``'s data (see :mod:`.tables` and :mod:`.collectives`), shared by
 the dumper, the CLI, the drawing and the diff.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .summary import short_site, tensor_text
+from .formatting import short_site, tensor_text
 
 __all__ = ["summary_markdown", "region_table", "collective_table", "cause_text"]
 

@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Placement
 
-from ..region import META_INDEX, Region, find_regions
+from ..graph_utils import is_from_local, is_redistribute, is_to_local, node_value
+from ..region import META_LOWERED, META_PLAN, Region, find_regions, index_of
 from .plan import RedistributePlan, plan_redistribute
 from .spmd_check import out_grad_placements_for, typed_in_grad_placements
 
-__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower", "META_PLAN", "META_LOWERED"]
-
-META_PLAN = "localmap_fx.plan"
-META_LOWERED = "localmap_fx.lowered"
+__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,28 +51,15 @@ class Boundary:
     plan: RedistributePlan | None = None
 
 
-def _val(node: fx.Node):
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def _is_method(node: fx.Node, name: str) -> bool:
-    return node.op == "call_method" and node.target == name
-
-
-def _is_from_local(node: fx.Node) -> bool:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._api import from_local as _api_from_local
-
-    return node.op == "call_function" and node.target in (DTensor.from_local, _api_from_local)
-
-
 def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundary]:
     out: list[Boundary] = []
     spec = region.spec
     for node in region.enter_nodes:
-        idx = node.meta["custom"].get(META_INDEX)
-        if _is_method(node, "redistribute"):
-            src_val, dst_val = _val(node.args[0]), _val(node)
+        if not (is_redistribute(node) or is_to_local(node)):
+            continue
+        idx = index_of(node)
+        if is_redistribute(node):
+            src_val, dst_val = node_value(node.args[0]), node_value(node)
             plan = plan_redistribute(
                 dst_val.device_mesh,
                 tuple(src_val.placements),
@@ -86,11 +70,12 @@ def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Bounda
             out.append(
                 Boundary("redistribute", node, r_idx, idx, tuple(dst_val.placements), None, plan)
             )
-        elif _is_method(node, "to_local"):
-            src = _val(node.args[0])
+        elif is_to_local(node):
+            src = node_value(node.args[0])
             placements = tuple(src.placements)
-            if spec.in_grad_placements is not None:
-                grad = tuple(spec.in_grad_placements[idx])
+            given = spec.in_grad_placements[idx] if spec.in_grad_placements is not None else None
+            if given is not None:
+                grad = tuple(given)
             else:
                 grad = _normalize_placements_for_grad(placements)
                 if spec.spmd_types and typecheck != "off":  # the SPMD type's (R -> Partial)
@@ -108,10 +93,10 @@ def _exit_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundar
         out_grad_placements_for(region)
     out: list[Boundary] = []
     for node in region.exit_nodes:
-        if not _is_from_local(node):
+        if not is_from_local(node):
             continue
-        j = node.meta["custom"].get(META_INDEX)
-        placements = tuple(_val(node).placements)
+        j = index_of(node)
+        placements = tuple(node_value(node).placements)
         if derived is not None:
             grad = derived[j]
         else:
@@ -144,12 +129,13 @@ def rewrite_boundary(b: Boundary) -> None:
         node.meta[META_PLAN] = b.plan
     elif b.kind == "to_local":
         node.args = node.args[:1]
-        node.kwargs = {"grad_placements": b.grad_placements}
+        node.kwargs = {"grad_placements": b.grad_placements}  # type: ignore[dict-item]  # fx accepts placements
     elif b.kind == "from_local":
         local, mesh = node.args[0], node.args[1]
-        node.args = (local, mesh, b.placements)
+        # fx stores any Python constant; its Argument type does not list Placement
+        node.args = (local, mesh, b.placements)  # type: ignore[assignment]
         # shape/stride (uneven sharding, see localmap_fx.shapes) stay as captured
-        node.kwargs = {**node.kwargs, "run_check": False, "grad_placements": b.grad_placements}
+        node.kwargs = {**node.kwargs, "run_check": False, "grad_placements": b.grad_placements}  # type: ignore[dict-item]
     else:
         raise AssertionError(f"unknown boundary kind {b.kind}")
     node.meta[META_LOWERED] = True
@@ -163,5 +149,8 @@ def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:
     """
     for b in find_boundaries(gm, typecheck=typecheck):
         rewrite_boundary(b)
-    gm.recompile()
+    # regions inside nested subgraphs (checkpoint bodies...) live in submodules
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            m.recompile()
     return gm

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
+from ..graph_utils import mesh_dim_names
 from ..region import placements_str
 
 __all__ = ["RedistributeStep", "RedistributePlan", "plan_redistribute", "collective_of"]
@@ -60,10 +61,6 @@ class RedistributePlan:
     dst: tuple[Placement, ...]
     steps: tuple[RedistributeStep, ...]
 
-    @property
-    def collectives(self) -> tuple[RedistributeStep, ...]:
-        return tuple(s for s in self.steps if s.collective != "local")
-
     def text(self) -> str:
         if not self.steps:
             return "noop"
@@ -88,7 +85,7 @@ def _plan_cached(
     infos = _gen_transform_infos(
         DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta)
     )
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    names = mesh_dim_names(mesh)
     itemsize = torch.empty((), dtype=dtype).element_size()
     steps = []
     for info in infos:

@@ -15,7 +15,7 @@ decide as eagerly.
 from __future__ import annotations
 
 import os
-import re
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -24,9 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import spmd
 from ..errors import region_error
-from ..region import _WRAPPER_FILES, Region
+from ..graph_utils import Frame, is_wrapper_frame, node_value, stack_frames
+from ..region import Region, index_of
 
-__all__ = ["check_region", "out_grad_placements_for", "typed_in_grad_placements"]
+__all__ = ["out_grad_placements_for", "typed_in_grad_placements"]
 
 typed_in_grad_placements = spmd.typed_in_grad_placements
 
@@ -65,7 +66,7 @@ def _run_checked(region: Region) -> tuple:
     mesh = spec.mesh
     if mesh is None:
         raise AssertionError(f"region {spec.func} has no device mesh")
-    vals = [i.node.meta.get("example_value") for i in region.inputs]
+    vals = [node_value(i.node) for i in region.inputs]
     mode = detect_fake_mode(vals) or FakeTensorMode()
     with mode:
         fakes = [_fresh_fake(mode, v) for v in vals]
@@ -73,7 +74,7 @@ def _run_checked(region: Region) -> tuple:
     in_specs: list = []
     in_grads: list = []
     for inp, fake in zip(region.inputs, fakes):
-        if inp.kind == "arg":
+        if inp.kind == "arg" and inp.index is not None:
             flat_args.append(fake)
             in_specs.append(spec.in_placements[inp.index] if spec.in_placements else None)
             in_grads.append(
@@ -92,15 +93,15 @@ def _run_checked(region: Region) -> tuple:
     except Exception as e:
         e.__dict__["_localmap_fx_node"] = interp.node
         raise
-    by_node = dict(zip(region.outputs, outs))
-    flat_out = []
-    exit_by_index = {e.meta["custom"]["localmap_fx.index"]: e for e in region.exit_nodes}
-    for j, s in enumerate(spec.out_placements):
-        e = exit_by_index.get(j)
-        if e is None:
+    by_node: dict[Any, Any] = dict(zip(region.outputs, outs))
+    flat_out: list = []
+    exit_by_index = {index_of(x): x for x in region.exit_nodes}
+    for j in range(len(spec.out_placements)):
+        x = exit_by_index.get(j)
+        if x is None:
             flat_out.append(_NON_TENSOR)
         else:
-            flat_out.append(by_node[e.args[0]])
+            flat_out.append(by_node[x.args[0]])
     return spmd.out_grad_placements(flat_out, spec.out_placements, mesh)
 
 
@@ -129,10 +130,10 @@ def out_grad_placements_for(region: Region) -> tuple:
         raise region_error(e, where) from e
 
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?![ \t]*File ")[ \t]+([^\n]*))?')
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, spmd.spmd)
-    if m is not None and getattr(m, "__file__", None)
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (getattr(m, "__file__", None) for m in (torch, spmd.spmd))
+    if path
 ) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
@@ -145,18 +146,18 @@ def _body_line(node: fx.Node | None) -> str:
     """
     if node is None or node.op in ("placeholder", "output"):
         return ""
-    body: list[tuple[str, ...]] = []
-    for frame in _FRAME_RE.findall(node.stack_trace or ""):
-        if os.path.abspath(frame[0]) in _WRAPPER_FILES:
+    body: list[Frame] = []
+    for frame in stack_frames(node.stack_trace):
+        if is_wrapper_frame(frame):
             body = []  # frames after the call of the body
             continue
         body.append(frame)
-    user = [f for f in body if not os.path.abspath(f[0]).startswith(_LIBRARY_DIRS)]
+    user = [f for f in body if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
     if not user:
-        return node.format_node()
-    fname, line, func, code = user[-1]
-    where = f"{fname}:{line} ({func})"
-    return f"{where}: {code.strip()}" if code.strip() else where
+        return node.format_node() or node.name
+    f = user[-1]
+    where = f"{f.site} ({f.function})"
+    return f"{where}: {f.code}" if f.code else where
 
 
 _TRACEBACK_NOTE = (

@@ -20,8 +20,8 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..lowering.boundaries import META_LOWERED, _is_from_local, _is_method, _val
-from ..region import role_of
+from ..graph_utils import is_from_local, is_to_local, node_value
+from ..region import META_LOWERED, role_of
 
 __all__ = ["RoundTrip", "find_round_trips", "remove_round_trip", "fuse_boundaries"]
 
@@ -33,20 +33,22 @@ class RoundTrip:
 
 
 def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
+    """Round trips in ``gm.graph`` and in every nested subgraph (each stays in its graph)."""
     out = []
-    for node in gm.graph.nodes:
-        if not (_is_method(node, "to_local") and role_of(node) == "enter"):
+    graphs = [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    for node in (n for g in dict.fromkeys(graphs) for n in g.nodes):
+        if not (is_to_local(node) and role_of(node) == "enter"):
             continue
         src = node.args[0]
-        if not (isinstance(src, fx.Node) and _is_from_local(src) and role_of(src) == "exit"):
+        if not (isinstance(src, fx.Node) and is_from_local(src) and role_of(src) == "exit"):
             continue
         if not (node.meta.get(META_LOWERED) and src.meta.get(META_LOWERED)):
             continue
         g_in = node.kwargs.get("grad_placements")
         g_out = src.kwargs.get("grad_placements")
-        if g_in is None or g_out is None or tuple(g_in) != tuple(g_out):
+        if not (isinstance(g_in, (list, tuple)) and isinstance(g_out, (list, tuple))) or tuple(g_in) != tuple(g_out):
             continue
-        local, dst = _val(src.args[0]), _val(node)
+        local, dst = node_value(src.args[0]), node_value(node)
         if local is None or dst is None or local.device != dst.device or local.dtype != dst.dtype:
             continue
         out.append(RoundTrip(src, node))
@@ -54,15 +56,21 @@ def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
 
 
 def remove_round_trip(gm: fx.GraphModule, rt: RoundTrip) -> None:
-    rt.to_local.replace_all_uses_with(rt.from_local.args[0])
-    gm.graph.erase_node(rt.to_local)
+    graph = rt.to_local.graph  # gm's graph or a nested subgraph's
+    local = rt.from_local.args[0]
+    if not isinstance(local, fx.Node):
+        raise AssertionError(f"from_local {rt.from_local.name} has no local tensor node")
+    rt.to_local.replace_all_uses_with(local)
+    graph.erase_node(rt.to_local)
     if not rt.from_local.users:
-        gm.graph.erase_node(rt.from_local)
+        graph.erase_node(rt.from_local)
 
 
 def fuse_boundaries(gm: fx.GraphModule) -> fx.GraphModule:
     for rt in find_round_trips(gm):
         remove_round_trip(gm, rt)
-    gm.graph.lint()
-    gm.recompile()
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            m.graph.lint()
+            m.recompile()
     return gm

@@ -5,20 +5,12 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import torch
 import torch.fx as fx
 
 from ..backend import backend
+from ..graph_utils import collective_name, is_collective
 
-__all__ = ["Recorder", "normalized", "collective_counts", "COLLECTIVE_OPS"]
-
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_to_all_single",
-    "broadcast",
-)
+__all__ = ["Recorder", "normalized", "model_sites", "collective_counts", "eager_collective_counts"]
 
 
 class Recorder:
@@ -70,6 +62,35 @@ def normalized(gm: fx.GraphModule) -> str:
     return text + "\n"
 
 
+_MODEL_SITE = re.compile(r"\bmodels\.py:(\d+)")
+
+
+def model_sites(text: str) -> str:
+    """``models.py:77`` -> ``models.py:_tp_mlp_step+3`` (line relative to its function).
+
+    Pinned texts then survive edits elsewhere in :mod:`localmap_fx.testing.models`
+    while still saying which line of which function a call site is.
+    """
+    from . import models
+
+    starts = _function_starts(models.__file__)
+
+    def sub(m: re.Match) -> str:
+        line = int(m.group(1))
+        name, first = max(((n, s) for n, s in starts if s <= line), key=lambda x: x[1], default=("?", 0))
+        return f"models.py:{name}+{line - first}"
+
+    return _MODEL_SITE.sub(sub, text)
+
+
+def _function_starts(path: str) -> list[tuple[str, int]]:
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [(n.name, n.lineno) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
 def collective_counts(gms) -> Counter:
     """Functional collectives in AOT graphs (subgraphs included), by op name."""
     c: Counter = Counter()
@@ -78,13 +99,18 @@ def collective_counts(gms) -> Counter:
             if not isinstance(mod, fx.GraphModule):
                 continue
             for n in mod.graph.nodes:
-                if n.op != "call_function":
-                    continue
-                name = getattr(n.target, "__name__", str(n.target))
-                base = name.split(".")[0]
-                if base in COLLECTIVE_OPS and "c10d_functional" in str(getattr(n.target, "namespace", "")) + str(n.target):
-                    c[base] += 1
+                if is_collective(n):
+                    c[collective_name(n.target)] += 1
     return c
+
+
+_EAGER_FUNCOLS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
 
 
 def eager_collective_counts(fn, *args) -> tuple[Counter, Counter]:
@@ -94,8 +120,10 @@ def eager_collective_counts(fn, *args) -> tuple[Counter, Counter]:
     def counts(mode) -> Counter:
         out: Counter = Counter()
         for op, k in mode.get_comm_counts().items():
-            name = getattr(op, "__name__", str(op)).split(".")[0]
-            if name in COLLECTIVE_OPS:
+            # CommDebugMode reports native funcol ops as the Python
+            # functions of torch.distributed._functional_collectives
+            name = collective_name(op) or getattr(op, "__name__", "")
+            if name in _EAGER_FUNCOLS:
                 out[name] += k
         return out
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ..api import local_map
 
-__all__ = ["Model", "MODELS", "get_model"]
+__all__ = ["Model", "MODELS", "grad_tensors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,8 @@ def _rand(seed: int, *shape: int) -> torch.Tensor:
 
 def _dist(t: torch.Tensor, mesh, placements, grad=True) -> DTensor:
     d = distribute_tensor(t, mesh, placements)
-    return d.requires_grad_(grad)
+    d.requires_grad_(grad)
+    return d
 
 
 # --- tensor-parallel MLP: column-parallel then row-parallel -----------------
@@ -280,10 +281,6 @@ MODELS = {
         Model("mesh2d", _mesh2d_build, _mesh2d_step, mesh_ndim=2),
     )
 }
-
-
-def get_model(name: str) -> Model:
-    return MODELS[name]
 
 
 def grad_tensors(state: dict) -> dict[str, DTensor]:

@@ -312,7 +312,7 @@ def _collect(procs: list, workdir: str, world_size: int, timeout: float) -> list
     while True:
         alive = [p for p in procs if p.is_alive()]
         if not grace_started:
-            for rank, p in enumerate(procs):
+            for p in procs:
                 if not p.is_alive() and p.exitcode != 0:
                     grace_started = True
                     # Peers are likely blocked in a collective with it.
@@ -351,6 +351,8 @@ def _collect(procs: list, workdir: str, world_size: int, timeout: float) -> list
     if errors:
         rank = errors[0][1]
         rec = records[rank]
+        if rec is None:
+            raise AssertionError(f"rank {rank} has an error but no record")
         header = f"rank {rank} of {world_size} raised {rec['exc_type']} first"
         others = [r for _, r in errors[1:]]
         if others:
@@ -367,7 +369,13 @@ def _collect(procs: list, workdir: str, world_size: int, timeout: float) -> list
             f"run_ranks timed out after {elapsed:.1f}s (timeout={timeout}s); "
             f"ranks without a result: {stuck}; all ranks killed.\n{logs()}"
         )
-    missing = [r for r in range(world_size) if records[r] is None or "ok" not in records[r]]
+    results: list = []
+    missing: list[int] = []
+    for r, rec in enumerate(records):
+        if rec is None or "ok" not in rec:
+            missing.append(r)
+        else:
+            results.append(rec["ok"])
     if missing:
         raise RankFailure(f"ranks {missing} exited without a result.\n{logs()}")
-    return [rec["ok"] for rec in records]  # type: ignore[index]
+    return results

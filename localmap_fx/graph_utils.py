@@ -1,0 +1,206 @@
+"""Small read-only helpers on FX graphs, shared by every stage of the pipeline.
+
+One definition each of: a node's value (:func:`node_value`), the region
+annotation dict (:func:`custom_meta`), functional collectives
+(:func:`collective_name`, :func:`is_collective`), the DTensor boundary
+operations (:func:`is_to_local`, :func:`is_from_local`,
+:func:`is_redistribute`), mesh dimension names (:func:`mesh_dim_names`),
+``get_attr`` targets (:func:`fetch_attr`) and the frames of a node's
+``stack_trace`` (:func:`stack_frames`, :func:`call_site_of`).
+
+Nothing here mutates a graph.  This module sits at the bottom of the package
+(it imports only torch), so capture, passes, lowering and debug all use it.
+
+Note: [A node's value: example_value vs val]
+    Dynamo stores the fake value of each node of the graph it captures under
+    ``meta["example_value"]``; AOTAutograd and ``make_fx`` graphs store it
+    under ``meta["val"]``.  Passes run on Dynamo graphs, the summaries on
+    both kinds, so one reader prefers ``example_value`` and falls back to
+    ``val``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "node_value",
+    "custom_meta",
+    "FUNCOL_NAMESPACES",
+    "NON_COLLECTIVE_OPS",
+    "funcol_op",
+    "collective_name",
+    "is_collective",
+    "is_method",
+    "is_to_local",
+    "is_redistribute",
+    "is_from_local",
+    "mesh_dim_names",
+    "fetch_attr",
+    "Frame",
+    "stack_frames",
+    "WRAPPER_FILES",
+    "is_wrapper_frame",
+    "call_site_of",
+    "CUSTOM",
+]
+
+# node.meta key under which torch.fx.traceback.annotate stores annotations.
+CUSTOM = "custom"
+
+
+def node_value(node: Any) -> Any:
+    """The (fake) value of ``node``: ``example_value``, else ``val``; None for non-nodes."""
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta
+    val = meta.get("example_value")
+    return val if val is not None else meta.get("val")
+
+
+def custom_meta(node: fx.Node) -> dict:
+    """The annotations ``torch.fx.traceback.annotate`` put on ``node`` (maybe empty)."""
+    return node.meta.get(CUSTOM) or {}
+
+
+# --- functional collectives -------------------------------------------------------
+
+FUNCOL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+# ops of those namespaces that move no data: they pass their input through
+NON_COLLECTIVE_OPS = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+def funcol_op(target: Any) -> tuple[str, str] | None:
+    """``(namespace, name)`` of a functional-collective op (overload or packet), else None.
+
+    Ops that move no data (:data:`NON_COLLECTIVE_OPS`) are included: the SPMD
+    rules need them; :func:`is_collective` leaves them out.
+    """
+    if isinstance(target, torch._ops.OpOverload):
+        qualified = target._schema.name
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        qualified = target._qualified_op_name
+    else:
+        return None
+    ns, _, name = qualified.partition("::")
+    return (ns, name) if ns in FUNCOL_NAMESPACES else None
+
+
+def collective_name(target: Any) -> str | None:
+    """``"all_reduce"`` for a functional-collective op, else None (see :func:`funcol_op`)."""
+    op = funcol_op(target)
+    return None if op is None else op[1]
+
+
+def is_collective(node: fx.Node) -> bool:
+    """``node`` runs a functional collective that moves data (not ``wait_tensor``)."""
+    if node.op != "call_function":
+        return False
+    name = collective_name(node.target)
+    return name is not None and name not in NON_COLLECTIVE_OPS
+
+
+# --- DTensor boundary operations (Dynamo graphs) ----------------------------------
+
+
+def is_method(node: fx.Node, name: str) -> bool:
+    return node.op == "call_method" and node.target == name
+
+
+def is_to_local(node: fx.Node) -> bool:
+    return is_method(node, "to_local")
+
+
+def is_redistribute(node: fx.Node) -> bool:
+    return is_method(node, "redistribute")
+
+
+def is_from_local(node: fx.Node) -> bool:
+    """``DTensor.from_local`` (Dynamo records either the method or ``_api.from_local``)."""
+    if node.op != "call_function":
+        return False
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._api import from_local
+
+    return node.target in (DTensor.from_local, from_local)
+
+
+# --- meshes and modules -----------------------------------------------------------
+
+
+def mesh_dim_names(mesh: Any) -> tuple[str, ...]:
+    """Dimension names of a DeviceMesh or RegionSpec; ``"0"``, ``"1"``... when unnamed."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names:
+        return tuple(names)
+    ndim = len(mesh.mesh_shape) if hasattr(mesh, "mesh_shape") else mesh.ndim
+    return tuple(str(i) for i in range(ndim))
+
+
+def fetch_attr(gm: fx.GraphModule, target: object) -> Any:
+    """``gm.<target>`` for a dotted ``get_attr`` target; AttributeError if missing."""
+    if not isinstance(target, str):
+        raise AssertionError(f"get_attr target {target!r} is not a string")
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- stack traces -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of a ``node.stack_trace``."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+
+    @property
+    def site(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+# a traceback frame, with the source line that follows it when there is one
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?![ \t]*File ")[ \t]+([^\n]*))?')
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+# Frames of these files sit between the user's call and the region's body.
+WRAPPER_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in ("api.py", "capture.py"))
+
+
+def stack_frames(trace: str | None) -> list[Frame]:
+    """The frames of a formatted stack trace, outermost first."""
+    return [Frame(f, int(line), fn, code.strip()) for f, line, fn, code in _FRAME_RE.findall(trace or "")]
+
+
+def is_wrapper_frame(frame: Frame) -> bool:
+    """A frame of localmap_fx's own call of a region (``api.py`` / ``capture.py``)."""
+    return os.path.abspath(frame.file) in WRAPPER_FILES
+
+
+def call_site_of(nodes: Sequence[fx.Node]) -> tuple[str, str]:
+    """``(file:line, function)`` of the user code that called the region of ``nodes``.
+
+    The last frame before localmap_fx's own, of the first node that has a
+    stack trace; ``("<unknown>", "<unknown>")`` when none has one.
+    """
+    for node in nodes:
+        best = None
+        for frame in stack_frames(node.meta.get("stack_trace")):
+            if is_wrapper_frame(frame):
+                break
+            best = (frame.site, frame.function)
+        if best is not None:
+            return best
+    return ("<unknown>", "<unknown>")

@@ -1,0 +1,321 @@
+"""Trace a repeated ``local_map`` call once: Dynamo subgraph reuse, keyed on the region.
+
+Under ``torch.compile`` capture calls the body of a region through
+:func:`run_body`.  When the same body is called again with the same
+*region key*, Dynamo traces it once, as an ``invoke_subgraph`` on local
+tensors, and stamps out the traced subgraph for every later call (torch's
+``nested_compile_region`` reuse, ``torch/_dynamo/variables/invoke_subgraph.py``).
+
+Note: [Region reuse key]
+    torch keys its reuse cache on the code object of the function it calls
+    and then compares the inputs' shape, stride, dtype, device and
+    ``requires_grad`` -- never DTensor placements or the mesh, which the body
+    (on local tensors) does not see but the region does.  Capture therefore
+    calls, per region key, its own *shared body*: a one-line function that
+    calls the user's function, with a code object of its own (renamed), so
+    torch's cache never mixes two keys.  The key is
+
+        (the function object, in/out/in_grad placements, redistribute_inputs,
+         the mesh, each argument's shape/stride/dtype/device/requires_grad
+         (or constant value), grad mode)
+
+    A call whose key differs in any part gets another shared body, so it is
+    traced on its own and never merged.
+
+Note: [When a call is not shared]
+    ``invoke_subgraph`` is stricter than inline tracing: it rejects (with a
+    hard error) inputs that share storage, an output that aliases an input or
+    another output, and graph breaks inside the body.  So reuse is proven
+    before it is used: the *first* call of a key in a trace runs inline, as
+    without reuse, and a compile-time probe (``torch._dynamo.comptime``) looks
+    at what Dynamo traced: the body must have stayed in the same graph (no
+    graph break), returned one tensor or a tuple of tensors, none of them
+    sharing storage with an input, a value it closed over, or each other, and
+    must not have mutated an input.  Only then do later calls of the key use
+    the shared body, and only if their own arguments share no storage with
+    each other or with the values the body closed over.  Calls with keyword
+    arguments, nested (pytree) ``in_placements``, ``spmd_types=True``,
+    symbolic shapes, a function Dynamo cannot name as a real object (a
+    closure created in traced code) or a non-tensor, non-constant argument
+    always run inline.  Every call still carries the region annotation; the
+    backend finds it on the ``invoke_subgraph`` node (see
+    :mod:`localmap_fx.passes.outline_regions`).
+
+:func:`region_reuse` switches reuse off (or on) for the compiles inside it;
+the default is on.  Dynamo guards on the switch, so toggling it recompiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._dynamo.comptime import comptime
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["region_reuse", "reuse_enabled", "run_body", "SHARED_BODY_PREFIX"]
+
+_ENABLED = True
+
+# Names of the shared bodies' code objects (and of their attributes on _SHARED)
+SHARED_BODY_PREFIX = "localmap_fx_shared_body_"
+
+
+@contextlib.contextmanager
+def region_reuse(enabled: bool = True) -> Iterator[None]:
+    """Turn tracing repeated region calls once on or off inside the block.
+
+    ``with localmap_fx.region_reuse(False): torch.compile(...)(...)`` traces
+    every call inline, as before reuse existed.  Restores the previous value.
+    """
+    global _ENABLED
+    previous = _ENABLED
+    _ENABLED = bool(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED = previous
+
+
+def reuse_enabled() -> bool:
+    return _ENABLED
+
+
+class _SharedBodies:
+    """Holds one shared body per region key, as attributes: traced code reads
+    ``getattr(_SHARED, name)``, which Dynamo guards like any attribute."""
+
+
+_SHARED = _SharedBodies()
+_NAMES: dict[tuple, str] = {}
+
+
+def _shared_body_name(key: tuple, func: Callable) -> str:
+    name = _NAMES.get(key)
+    if name is None:
+        name = f"{SHARED_BODY_PREFIX}{len(_NAMES)}"
+
+        def shared_body(*args):
+            return func(*args)
+
+        # Its own code object: torch's reuse cache is keyed on it.
+        shared_body.__code__ = shared_body.__code__.replace(co_name=name)
+        shared_body.__name__ = shared_body.__qualname__ = name
+        # One key has one entry per input metadata; never hit torch's cap
+        # (exceeding it is a RuntimeError).
+        shared_body.__marked_compile_region_max_reuse_entries__ = sys.maxsize  # type: ignore[attr-defined]
+        setattr(_SHARED, name, shared_body)
+        _NAMES[key] = name
+    return name
+
+
+# --- per-trace state (one per Dynamo OutputGraph: a restart starts afresh) --------
+
+
+@dataclasses.dataclass
+class _Verdict:
+    safe: bool
+    captured: frozenset = frozenset()  # storages of the values the body closed over
+
+
+@dataclasses.dataclass
+class _Probe:
+    key: tuple
+    graph: torch.fx.Graph
+    before: set
+    inputs: list  # fake tensors of the tensor arguments
+    versions: list
+
+
+@dataclasses.dataclass
+class _TraceState:
+    verdicts: dict = dataclasses.field(default_factory=dict)
+    probes: list = dataclasses.field(default_factory=list)
+
+
+# id(OutputGraph) -> (weak reference to it, its state); OutputGraph is unhashable
+_STATES: dict[int, tuple[weakref.ref, _TraceState]] = {}
+_DECISIONS: list = []
+
+
+def _state(tx) -> _TraceState:
+    output = tx.output
+    entry = _STATES.get(id(output))
+    if entry is None or entry[0]() is not output:
+        for k in [k for k, (ref, _) in _STATES.items() if ref() is None]:
+            del _STATES[k]
+        entry = _STATES[id(output)] = (weakref.ref(output), _TraceState())
+    return entry[1]
+
+
+def _vt(ctx, name: str):
+    vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+    return vt.realize() if hasattr(vt, "realize") else vt
+
+
+def _storages(t: torch.Tensor) -> set:
+    try:
+        return {StorageWeakRef(t.untyped_storage())}
+    except Exception:  # noqa: BLE001 - no storage (sparse, subclass): treat as unique
+        return set()
+
+
+def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
+    """The region key of this call (None: not shareable), its tensor arguments, the function."""
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.functions import UserFunctionVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    if _local_tensor_mode():
+        # torch 2.14.1 has no invoke_subgraph rule for LocalTensor
+        return None, [], None
+    func_vt = _vt(ctx, "func")
+    if type(func_vt) is not UserFunctionVariable:
+        return None, [], None
+    func = func_vt.get_function()
+    try:
+        spec = _vt(ctx, "spec").as_python_constant()
+        mesh = _vt(ctx, "mesh").as_python_constant()
+    except Exception:  # noqa: BLE001 - not constants: no reuse
+        return None, [], None
+    if not isinstance(spec, dict) or spec.get("spmd_types"):
+        return None, [], None
+    arg_keys: list = []
+    fakes: list = []
+    for item in _vt(ctx, "local_args").items:
+        item = item.realize() if hasattr(item, "realize") else item
+        if isinstance(item, TensorVariable):
+            t = item.as_proxy().node.meta.get("example_value")
+            if not isinstance(t, torch.Tensor) or type(t).__name__ == "DTensor":
+                return None, [], None
+            meta = (tuple(t.shape), tuple(t.stride()))
+            if not all(isinstance(s, int) for part in meta for s in part):
+                return None, [], None  # symbolic sizes: keep inline
+            arg_keys.append(("tensor", *meta, t.dtype, t.device, t.requires_grad))
+            fakes.append(t)
+        elif isinstance(item, ConstantVariable):
+            arg_keys.append(("const", type(item.value), item.value))
+        else:
+            return None, [], None
+    key = (
+        func,
+        repr(sorted((k, repr(v)) for k, v in spec.items())),
+        id(mesh),
+        tuple(arg_keys),
+        torch.is_grad_enabled(),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None, [], None
+    return key, fakes, func
+
+
+def _local_tensor_mode() -> bool:
+    try:
+        from torch.distributed._local_tensor import get_local_tensor_mode_list
+    except ImportError:  # noqa: BLE001 - no LocalTensor in this build
+        return False
+    return bool(get_local_tensor_mode_list())
+
+
+def _disjoint(fakes: list, captured: frozenset) -> bool:
+    seen: set = set(captured)
+    for t in fakes:
+        s = _storages(t)
+        if s & seen:
+            return False
+        seen |= s
+    return True
+
+
+def _lookup(ctx) -> None:
+    """Before the body: decide between the shared body and an inline (probe) trace."""
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    state = _state(tx)
+    decision = None
+    key, fakes, func = _key_and_inputs(ctx)
+    if key is not None:
+        verdict = state.verdicts.get(key)
+        if verdict is None:
+            graph = ctx.graph()
+            state.probes.append(
+                _Probe(key, graph, set(graph.nodes), fakes, [t._version for t in fakes])
+            )
+        elif verdict.safe and _disjoint(fakes, verdict.captured):
+            decision = _shared_body_name(key, func)
+    _DECISIONS.append(decision)
+
+
+def _probe_end(ctx) -> None:
+    """After an inline body: record whether later calls of its key may share it."""
+    from torch._dynamo.variables.lists import TupleVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    state = _state(tx)
+    if not state.probes:
+        return
+    probe = state.probes.pop()
+    graph = ctx.graph()
+    safe = graph is probe.graph  # else a graph break split the body
+    out = _vt(ctx, "out")
+    if isinstance(out, TensorVariable):
+        outs = [out]
+    elif type(out) is TupleVariable and all(isinstance(o, TensorVariable) for o in out.items):
+        outs = list(out.items)
+    else:
+        outs, safe = [], False
+    captured: set = set()
+    if safe:
+        new = [n for n in graph.nodes if n not in probe.before]
+        new_set = set(new)
+        arg_storages: set = set()
+        for t in probe.inputs:
+            arg_storages |= _storages(t)
+        for n in new:
+            sources = [n] if n.op == "placeholder" else [a for a in n.all_input_nodes if a not in new_set]
+            for a in sources:
+                v = a.meta.get("example_value")
+                if isinstance(v, torch.Tensor):
+                    captured |= _storages(v) - arg_storages
+        out_storages: set = set()
+        for o in outs:
+            s = _storages(o.as_proxy().node.meta["example_value"])
+            if s & (arg_storages | captured | out_storages):
+                safe = False  # returns (a view of) an input, a closed-over value or another output
+            out_storages |= s
+        if any(t._version != v for t, v in zip(probe.inputs, probe.versions)):
+            safe = False  # mutates an input
+        if not _disjoint(probe.inputs, frozenset(captured)):
+            safe = False
+    state.verdicts[probe.key] = _Verdict(safe, frozenset(captured))
+
+
+@torch._dynamo.assume_constant_result
+def _decision() -> str | None:
+    return _DECISIONS.pop() if _DECISIONS else None
+
+
+def run_body(func: Callable, local_args: tuple, kwargs: dict, spec: dict, mesh: Any) -> Any:
+    """Call the region body ``func(*local_args, **kwargs)`` (traced by Dynamo).
+
+    Through the shared body of its region key when an earlier call of the key
+    proved sharing safe, else inline (see the Notes above).  ``spec`` and
+    ``mesh`` are the region's annotation and mesh: part of the key.
+    """
+    if kwargs or not _ENABLED:
+        return func(*local_args, **kwargs)
+    comptime(_lookup)
+    name = _decision()
+    if name is not None:
+        return invoke_subgraph_placeholder(getattr(_SHARED, name), *local_args)
+    out = func(*local_args)
+    comptime(_probe_end)
+    return out

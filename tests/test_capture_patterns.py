@@ -1,0 +1,244 @@
+"""Patterns from real model code, under ``backend="localmap_fx"`` (issue #11).
+
+* ``local_map(fn, ...)`` built inside ``forward`` on every call;
+* regions inside nested subgraphs Dynamo builds: activation checkpointing
+  (with and without a selective policy), ``nested_compile_region`` and
+  ``torch.cond``.
+
+Graphs on the fake process group; numerics under ``LocalTensorMode`` (all
+ranks in this process; ``outline=False`` since ``invoke_subgraph`` has no
+LocalTensor rule).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import localmap_fx
+from localmap_fx.testing.graphs import Recorder
+
+from helpers import WORLD_SIZE, mesh_1d
+
+
+def _col(x, w):
+    return torch.relu(x @ w)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = distribute_tensor(torch.randn(8, 16, generator=g), mesh_1d(), [Replicate()]).requires_grad_()
+    w = distribute_tensor(torch.randn(16, 32, generator=g), mesh_1d(), [Shard(1)]).requires_grad_()
+    return x, w
+
+
+def _per_rank(t):
+    t = t.to_local()
+    return [t._local_tensors[r] for r in range(WORLD_SIZE)]
+
+
+def _assert_same(a, b):
+    assert a.placements == b.placements and a.shape == b.shape
+    for x, y in zip(_per_rank(a), _per_rank(b)):
+        assert torch.equal(x, y)
+
+
+# --- local_map built inside forward ------------------------------------------------
+
+
+class _BuiltInline(torch.nn.Module):
+    """MoE-style code: the local_map is made in forward, on every call."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x, w):
+        return localmap_fx.local_map(
+            _col, out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(1)]), device_mesh=self.mesh
+        )(x, w)
+
+
+def _built_inline_closure(x, w):
+    def scaled(a, b):
+        return torch.relu(a @ b) * 2
+
+    return localmap_fx.local_map(
+        scaled,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        in_grad_placements=([Replicate()], [Shard(1)]),
+    )(x, w)
+
+
+def test_local_map_built_in_forward_compiles_once_and_keeps_region():
+    for fn, func, in_grad in ((_BuiltInline(mesh_1d()), "_col", None), (_built_inline_closure, "scaled", "in_grad=[R, S(1)]")):
+        rec = Recorder("aot_eager")
+        compiled = torch.compile(fn, backend=rec.backend, fullgraph=True)
+        x, w = _inputs()
+        for _ in range(3):
+            out = compiled(x, w)
+        assert out.placements == (Shard(1),)
+        # one frame compiled for three calls: no retrace, no recompile
+        assert len(rec.stages["captured"]) == 1
+        (region,) = localmap_fx.find_regions(rec.stage("captured"))
+        assert region.spec.func.endswith(func)
+        assert region.spec.in_placements == ((Replicate(),), (Shard(1),))
+        assert (in_grad in region.spec.text()) if in_grad else region.spec.in_grad_placements is None
+        assert len(localmap_fx.find_regions(rec.stage("fuse_boundaries"))) == 1
+        torch._dynamo.reset()
+
+
+def test_local_map_built_in_forward_closing_over_a_tensor_or_builtin():
+    def fn(x, w, s):
+        def scaled(a, b):
+            return (a @ b) * s
+
+        h = localmap_fx.local_map(scaled, out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(1)]))(x, w)
+        return localmap_fx.local_map(torch.relu, out_placements=[Shard(1)], in_placements=([Shard(1)],))(h)
+
+    rec = Recorder("aot_eager")
+    compiled = torch.compile(fn, backend=rec.backend, fullgraph=True)
+    x, w = _inputs()
+    s = torch.full((8,), 2.0, requires_grad=True)
+    for _ in range(2):
+        out = compiled(x, w, s)
+    assert len(rec.stages["captured"]) == 1
+    regions = localmap_fx.find_regions(rec.stage("captured"))
+    assert [r.spec.func for r in regions] == [f"{fn.__qualname__}.<locals>.scaled", "builtin_function_or_method"]
+    assert [(i.kind, i.index) for i in regions[0].inputs] == [("arg", 0), ("arg", 1), ("captured", None)]
+    out.to_local().sum().backward()
+    assert s.grad is not None
+
+
+def test_local_map_built_in_forward_numerics():
+    with LocalTensorMode(WORLD_SIZE):
+        results = []
+        for compiled in (False, True):
+            x, w = _inputs()
+            f = torch.compile(_built_inline_closure, backend=localmap_fx.backend("aot_eager", outline=False),
+                              fullgraph=True) if compiled else _built_inline_closure
+            out = f(x, w)
+            out.redistribute(out.device_mesh, [Replicate()]).sum().backward()
+            results.append((out, x.grad, w.grad))
+    for a, b in zip(*results):
+        _assert_same(a, b)
+
+
+# --- regions inside nested subgraphs ----------------------------------------------
+
+_COL = localmap_fx.local_map(
+    _col,
+    out_placements=[Shard(1)],
+    in_placements=([Replicate()], [Shard(1)]),
+    in_grad_placements=([Partial()], [Shard(1)]),
+)
+_ROW = localmap_fx.local_map(lambda h, w: h @ w, out_placements=[Partial()], in_placements=([Shard(1)], [Shard(0)]))
+
+
+def _block(x, w1, w2):
+    return _ROW(_COL(x, w1), w2).redistribute(x.device_mesh, [Replicate()])
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(x, w1, w2):
+    return checkpoint(_block, x, w1, w2, use_reentrant=False)
+
+
+def _selective(x, w1, w2):
+    ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    return checkpoint(_block, x, w1, w2, use_reentrant=False, context_fn=ctx)
+
+
+def _mlp_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mesh = mesh_1d()
+    x = distribute_tensor(torch.randn(8, 16, generator=g), mesh, [Replicate()]).requires_grad_()
+    w1 = distribute_tensor(torch.randn(16, 32, generator=g), mesh, [Shard(1)]).requires_grad_()
+    w2 = distribute_tensor(torch.randn(32, 16, generator=g), mesh, [Shard(0)]).requires_grad_()
+    return x, w1, w2
+
+
+_EXPECTED_SPECS = [
+    "<lambda>: in=[R, S(1)] out=[S(1)] in_grad=[P, S(1)] mesh=tp:4",
+    "<lambda>: in=[S(1), S(0)] out=[P] mesh=tp:4",
+]
+
+
+def _spec_texts(regions):
+    # _col is named "_col": print the placements part only
+    return ["<lambda>:" + r.spec.text().split(":", 1)[1] for r in regions]
+
+
+@pytest.mark.parametrize("wrapper", [_checkpointed, _selective], ids=["checkpoint", "selective"])
+def test_regions_under_checkpoint_found_lowered_and_dumped(wrapper, tmp_path):
+    rec = Recorder("aot_eager", dump_dir=str(tmp_path))
+    x, w1, w2 = _mlp_inputs()
+    out = torch.compile(wrapper, backend=rec.backend, fullgraph=True)(x, w1, w2)
+    out.sum().backward()
+    captured = rec.stage("captured")
+    # Dynamo put the regions inside the checkpoint's subgraph
+    assert any(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in captured.graph.nodes)
+    for stage in ("captured", "outline_regions", "lower_boundaries", "fuse_boundaries"):
+        regions = localmap_fx.find_regions(rec.stage(stage))
+        assert _spec_texts(regions) == _EXPECTED_SPECS, stage
+        assert {r.scope for r in regions} == {"wrap_body_0"}
+        assert not any(r.outlined for r in regions)
+    # lowered: explicit grad placements inside the checkpoint body
+    lowered = localmap_fx.find_regions(rec.stage("lower_boundaries"))
+    to_locals = [n for r in lowered for n in r.enter_nodes if n.target == "to_local"]
+    assert [n.kwargs["grad_placements"] for n in to_locals] == [
+        (Partial(),), (Shard(1),), (Shard(1),), (Shard(0),)
+    ]
+    # fuse_boundaries dropped the round trip between the two regions (same graph)
+    fused = localmap_fx.find_regions(rec.stage("fuse_boundaries"))
+    assert [len(r.enter_nodes) for r in fused] == [2, 1]
+    # the dump shows both regions, with their placements and where they sit
+    (frame,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((frame / "summary.json").read_text())
+    assert [r["in_placements"] for r in summary["regions"]] == [["R", "S(1)"], ["S(1)", "S(0)"]]
+    assert [r["scope"] for r in summary["regions"]] == ["wrap_body_0", "wrap_body_0"]
+    assert "nested subgraph wrap_body_0" in (frame / "region_1.txt").read_text()
+    assert w1.grad.placements == (Shard(1),) and x.grad.placements == (Partial(),)
+
+
+@pytest.mark.parametrize("wrapper", [_checkpointed, _selective], ids=["checkpoint", "selective"])
+def test_regions_under_checkpoint_numerics(wrapper):
+    with LocalTensorMode(WORLD_SIZE):
+        results = []
+        for compiled in (False, True):
+            x, w1, w2 = _mlp_inputs()
+            f = torch.compile(wrapper, backend=localmap_fx.backend("aot_eager", outline=False),
+                              fullgraph=True) if compiled else wrapper
+            out = f(x, w1, w2)
+            out.sum().backward()
+            results.append((out, x.grad, w1.grad, w2.grad))
+            torch._dynamo.reset()
+    for a, b in zip(*results):
+        _assert_same(a, b)
+
+
+def test_torch_cond_over_dtensor_code_fails_in_torch_itself():
+    """Pins torch 2.14.1: a cond whose branches run DTensor code (torch's own
+    local_map here) fails in Dynamo, before any backend: the mesh becomes a
+    cond operand, which cond rejects.  Regions in control flow are therefore
+    covered on hand-built graphs (test_passes_unit.py)."""
+    from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+    col = torch_local_map(_col, out_placements=[Shard(1)], in_placements=([Replicate()], [Shard(1)]))
+
+    def fn(p, x, w):
+        return torch.cond(p, lambda a, b: col(a, b), lambda a, b: col(a, b) * 2, (x, w))
+
+    x, w = _inputs()
+    with pytest.raises(Exception, match="can only be of"):
+        torch.compile(fn, backend="eager", fullgraph=True)(torch.tensor(True), x, w)
