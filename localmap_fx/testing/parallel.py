@@ -17,9 +17,9 @@ Note: [Data-parallel sharded parameters]
 
 Note: [Regions built once]
     Every ``local_map`` is built when the model is constructed and kept on
-    the model; ``forward`` only calls them.  (Building ``local_map(...)``
-    inside ``forward`` works in eager mode, but is a separate pattern with
-    its own tests and fix; see the issue tracker, #11.)
+    the model; ``forward`` only calls them, as torchtitan-style code does
+    with its parallel styles.  (``local_map(...)`` built inside ``forward``
+    is a separate pattern with its own tests: ``tests/test_capture_patterns.py``.)
 """
 
 from __future__ import annotations
