@@ -133,14 +133,14 @@ def _dynamic_ok(which, mesh, side, sizes, batch, seq) -> str:
 
 
 def model_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
+    import tempfile
+
     import torch.distributed as dist
     from torch._inductor import config as iconfig
     from torch._inductor.utils import fresh_cache
     from torch.distributed.device_mesh import init_device_mesh
 
     from .timing import ratio_stats, summary, time_paired
-
-    import tempfile
 
     torch.set_num_threads(1)
     # a private inductor cache per rank: ranks compiling the same kernel at
@@ -179,7 +179,7 @@ def model_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
             models[side], fns[side] = m, fn
         models["eager"], fns["eager"] = eager_m, eager_m
 
-        def stepper(side):
+        def stepper(side, models=models, fns=fns, tokens=tokens, targets=targets):
             m, fn = models[side], fns[side]
 
             def step():
@@ -211,7 +211,6 @@ def model_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
             "numerics_rel_err": err,
             "dynamic_seq": {s: _dynamic_ok(which, mesh, s, sizes, batch, seq) for s in SIDES},
         }
-        del models, fns
         torch._dynamo.reset()
     return out
 

@@ -160,7 +160,7 @@ def _compiled_ranks(rank, world_size, device, dump_root):
         mesh = _mesh(which, device, (world_size,))
         eager = _step(_build(which, mesh))
 
-        def compiled(backend, **kw):
+        def compiled(backend, which=which, mesh=mesh, **kw):
             torch._dynamo.reset()
             m = _build(which, mesh, **kw)
             return _step(m, torch.compile(m, backend=backend, fullgraph=True))

@@ -289,7 +289,7 @@ class Llama(nn.Module):
         self.embed = param("embed", Shard(0), 1)
         blocks = []
         for i in range(cfg.n_layers):
-            p = lambda n, pl, d: param(f"layers.{i}.{n}", pl, d)  # noqa: E731
+            p = lambda n, pl, d, i=i: param(f"layers.{i}.{n}", pl, d)  # noqa: E731
             blocks.append(
                 Block(
                     self,
@@ -399,7 +399,7 @@ def reference_loss(cfg: LlamaConfig, w: dict[str, torch.Tensor], tokens: torch.T
 
     h = F.embedding(tokens, w["embed"])
     for i in range(cfg.n_layers):
-        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        p = lambda n, i=i: w[f"layers.{i}.{n}"]  # noqa: E731
         x = norm(h, p("attn_norm"))
         q = (x @ p("wq")).view(b, s, cfg.n_heads, hd).transpose(1, 2)
         k = (x @ p("wk")).view(b, s, cfg.n_kv_heads, hd).transpose(1, 2)

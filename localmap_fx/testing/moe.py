@@ -354,7 +354,7 @@ def reference_loss(cfg: MoEConfig, w: dict[str, torch.Tensor], tokens: torch.Ten
     aux_total = 0.0
     b, s, d = h.shape
     for i in range(cfg.n_layers):
-        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        p = lambda n, i=i: w[f"layers.{i}.{n}"]  # noqa: E731
         x = norm(h, p("norm"))
         t = x.reshape(-1, d)
         scores = torch.sigmoid(t.float() @ p("router").float())
