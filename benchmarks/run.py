@@ -111,7 +111,7 @@ def _loadavg():
 
 
 def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log=print) -> dict:
-    """Run the selected groups ("eager", "compiled", "compile_time", "redistribute", "startup")."""
+    """Run the selected groups ("eager", "compiled", "compile_time", "redistribute", "startup", "models")."""
     import torch
 
     from localmap_fx.testing.dist import run_ranks
@@ -123,7 +123,7 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
     from .startup import startup_worker
 
     cfg = QUICK if quick else DEFAULTS
-    groups = only or {"eager", "compiled", "compile_time", "redistribute", "startup"}
+    groups = only or {"eager", "compiled", "compile_time", "redistribute", "startup", "models"}
     devices = [("cpu", "gloo")]
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         devices.append(("cuda", "nccl"))
@@ -184,6 +184,11 @@ def run_all(out_dir: str, quick: bool = False, only: set[str] | None = None, log
     if "startup" in groups:
         # subprocesses of its own: nothing else runs meanwhile
         results["startup"] = timed("startup", startup_worker, cfg["startup"]["repeats"])
+    if "models" in groups:
+        # Llama / MoE compile and step time vs upstream (benchmarks/model_bench.py)
+        from . import model_bench
+
+        results["models"] = timed("models", model_bench.run, quick)
     results["loadavg_end"] = _loadavg()
     results["figures"] = figures(results)
     return results
@@ -556,6 +561,11 @@ def write(results: dict, out_dir: str, docs: str | None = None) -> None:
     if ct_png is not None:
         with open(os.path.join(out_dir, "compile_breakdown.png"), "wb") as f:
             f.write(ct_png)
+    if docs and "models" in results:
+        from .model_bench import markdown as models_markdown
+        from .model_bench import write_docs
+
+        write_docs(models_markdown(results["models"], "See the main table's machine line.", results["quick"]), docs)
     if docs:
         shutil.copyfile(os.path.join(out_dir, "results.png"), os.path.join(docs, "benchmarks.png"))
         if ct_png is not None:
@@ -580,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=None,
-        help="comma-separated groups: eager, compiled, compile_time, redistribute, startup",
+        help="comma-separated groups: eager, compiled, compile_time, redistribute, startup, models",
     )
     a = p.parse_args(argv)
     only = set(a.only.split(",")) if a.only else None
