@@ -78,6 +78,20 @@ class BackendOptions:
                 f"backend(typecheck={self.typecheck!r}) is not supported: use "
                 "'regions', 'all' or 'off'."
             )
+        if self.inner == "inductor" and self.outline and self.share_layers is False:
+            import warnings
+
+            # hoist_subgraph_views repairs one such case; the residual case
+            # (h = x + f(x); y = f(h)) is still wrong upstream.
+            warnings.warn(
+                "localmap_fx.backend(inner='inductor', share_layers=False, outline=True): "
+                "torch 2.14.1's Inductor can give wrong gradients for a region body shared "
+                "by several calls (pinned by tests/test_models.py::"
+                "test_upstream_invoke_subgraph_twice_with_residual). Pass outline=False, or "
+                "keep share_layers='auto'/True, for gradients you can trust.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def passes(self) -> list[Pass]:
         from .passes.fuse_boundaries import fuse_boundaries
