@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import fetch_attr
+from ..graph_utils import CUSTOM, fetch_attr, subgraph_attr
 from ..region import META_REGION
 
-__all__ = ["OutlinedCall", "find_outlined_calls", "inline_body", "inline_bodies"]
+__all__ = ["OutlinedCall", "find_outlined_calls", "inline_body", "inline_bodies", "splice_subgraph_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +49,25 @@ def find_outlined_calls(gm: fx.GraphModule) -> list[OutlinedCall]:
 
 def inline_body(gm: fx.GraphModule, oc: OutlinedCall) -> None:
     """Replace one ``invoke_subgraph`` call (and its getitems) by the body's nodes."""
-    call, body = oc.call, oc.body
-    graph = gm.graph
+    splice_subgraph_call(gm, oc.call)
+
+
+def splice_subgraph_call(owner: fx.GraphModule, call: fx.Node, annotation: dict | None = None) -> None:
+    """Copy the nodes of the subgraph ``call`` invokes in place of ``call`` and its getitems.
+
+    ``owner`` is the module whose graph holds ``call``.  The copies keep the
+    body's metadata; with ``annotation``, their ``meta["custom"]`` is replaced by
+    it (nodes of a shared subgraph carry the first call's annotation).
+    """
+    graph = call.graph
+    attr = subgraph_attr(call)
+    body: fx.GraphModule = fetch_attr(owner, attr.target)
     operands: list[Any] = list(call.args[2:])
-    env: dict[fx.Node, Any] = {}
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(operands):
         raise AssertionError(f"{call.name}: {len(operands)} operands for {len(placeholders)} body inputs")
-    env.update(zip(placeholders, operands))
+    env: dict[fx.Node, Any] = dict(zip(placeholders, operands))
     outputs: Any = None
-    attr: Any = call.args[0]
     with graph.inserting_before(call):
         for n in body.graph.nodes:
             if n.op == "placeholder":
@@ -67,19 +76,24 @@ def inline_body(gm: fx.GraphModule, oc: OutlinedCall) -> None:
                 outputs = n.args[0]
                 continue
             if n.op == "get_attr":
-                # a constant the body closed over: hang it on gm under a fresh name
-                name = f"{attr.target}_{n.target}"
-                if not hasattr(gm, name):
-                    setattr(gm, name, fetch_attr(body, n.target))
-                env[n] = graph.get_attr(name)
-                env[n].meta = dict(n.meta)
-                continue
-            env[n] = graph.node_copy(n, lambda x: env[x])
+                # a constant the body closed over: hang it on the owner under a fresh name
+                name = f"{attr.target}_{n.target}".replace(".", "_")
+                if not hasattr(owner, name):
+                    setattr(owner, name, fetch_attr(body, n.target))
+                copy = graph.get_attr(name)
+                copy.meta = dict(n.meta)
+            else:
+                copy = graph.node_copy(n, lambda x: env[x])
+            if annotation is not None:
+                copy.meta[CUSTOM] = dict(annotation)
+            env[n] = copy
     outs = [env[o] for o in (outputs if isinstance(outputs, (list, tuple)) else (outputs,))]
     for user in list(call.users):
         if not (user.op == "call_function" and user.target is operator.getitem):
             raise AssertionError(f"{call.name} used by {user.name}, not a getitem")
-        index: Any = user.args[1]
+        index = user.args[1]
+        if not isinstance(index, int):
+            raise AssertionError(f"{user.name} indexes invoke_subgraph {call.name} with {index!r}")
         user.replace_all_uses_with(outs[index])
         graph.erase_node(user)
     graph.erase_node(call)

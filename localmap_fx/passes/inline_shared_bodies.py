@@ -20,13 +20,12 @@ subgraph carry the first call's).
 from __future__ import annotations
 
 import dataclasses
-import operator
-from typing import Any
 
 import torch.fx as fx
 
-from ..graph_utils import CUSTOM, fetch_attr, subgraph_attr
+from ..graph_utils import CUSTOM
 from ..region import find_regions, shared_body_call
+from .inline_bodies import splice_subgraph_call
 
 __all__ = [
     "SharedCall",
@@ -55,44 +54,8 @@ def find_shared_calls(gm: fx.GraphModule, nested_only: bool = False) -> list[Sha
 
 
 def inline_shared_call(sc: SharedCall) -> None:
-    """Copy the called subgraph's nodes in place of ``sc.call``."""
-    owner, call = sc.owner, sc.call
-    graph = call.graph
-    attr = subgraph_attr(call)
-    inner: fx.GraphModule = fetch_attr(owner, attr.target)
-    custom = dict(call.meta.get(CUSTOM) or {})
-    env: dict[fx.Node, Any] = {}
-    placeholders = [n for n in inner.graph.nodes if n.op == "placeholder"]
-    for ph, operand in zip(placeholders, call.args[2:]):
-        env[ph] = operand
-    results: tuple = ()
-    with graph.inserting_before(call):
-        for n in inner.graph.nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "output":
-                results = tuple(env[a] for a in n.args[0])
-                continue
-            if n.op == "get_attr":
-                name = f"{attr.target}_{n.target}".replace(".", "_")
-                setattr(owner, name, fetch_attr(inner, n.target))
-                copy = graph.get_attr(name)
-                copy.meta = dict(n.meta)
-            else:
-                copy = graph.node_copy(n, lambda a: env[a])
-            copy.meta[CUSTOM] = dict(custom)
-            env[n] = copy
-    for user in list(call.users):
-        if user.target is not operator.getitem:
-            raise AssertionError(f"{user.name} uses invoke_subgraph {call.name} other than by index")
-        index = user.args[1]
-        if not isinstance(index, int):
-            raise AssertionError(f"{user.name} indexes invoke_subgraph {call.name} with {index!r}")
-        user.replace_all_uses_with(results[index])
-        graph.erase_node(user)
-    graph.erase_node(call)
-    if not attr.users:
-        graph.erase_node(attr)
+    """Copy the called subgraph's nodes in place of ``sc.call``, with this call's annotation."""
+    splice_subgraph_call(sc.owner, sc.call, annotation=dict(sc.call.meta.get(CUSTOM) or {}))
 
 
 def inline_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
