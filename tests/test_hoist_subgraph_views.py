@@ -138,7 +138,8 @@ def test_no_match_when_outputs_are_fresh_buffers():
     assert find_subgraph_view_outputs(gm) == []
 
 
-def _outlined_row_after_column(rank, world_size, device):
+def outlined_row_after_column(rank, world_size, device):
+    """Max relative gradient error vs eager, outlined and inline bodies under inductor (also run by test_models)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
@@ -165,7 +166,9 @@ def _outlined_row_after_column(rank, world_size, device):
         torch._dynamo.reset()
         fn = step
         if name != "eager":
-            fn = torch.compile(step, backend=localmap_fx.backend("inductor", outline=name == "outline"), fullgraph=True)
+            # share_layers=False: "auto" would inline the bodies and skip the outlined path
+            be = localmap_fx.backend("inductor", outline=name == "outline", share_layers=False)
+            fn = torch.compile(step, backend=be, fullgraph=True)
         args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, [[S(1)]] * 3 + [[S(0)]])]
         fn(*args).backward()
         grads[name] = [a.grad.full_tensor() for a in args]
@@ -177,5 +180,5 @@ def _outlined_row_after_column(rank, world_size, device):
 
 
 def test_gloo_outlined_bodies_give_eager_gradients_under_inductor():
-    for errs in run_ranks(_outlined_row_after_column, world_size=2):
+    for errs in run_ranks(outlined_row_after_column, world_size=2):
         assert errs["outline"] <= 1e-6 and errs["inline"] <= 1e-6, errs

@@ -238,38 +238,10 @@ def _shared_norm_minimal(device, world_size):
 
 
 def _outlined_inductor_minimal(device, world_size):
-    """Column region (redistribute_inputs from S(1)) -> row region -> P to S(1): w2's gradient."""
-    import torch.nn.functional as F
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    """Column region (redistribute_inputs from S(1)) -> row region -> P to S(1): every gradient."""
+    from test_hoist_subgraph_views import outlined_row_after_column
 
-    import localmap_fx
-
-    mesh = _mesh("llama", device, (world_size,))
-    R, P, S = Replicate(), Partial(), Shard
-    col = localmap_fx.local_map(
-        lambda x, w1, w3: F.silu(x @ w1) * (x @ w3),
-        [S(2)], ([R], [S(1)], [S(1)]), ([P], [S(1)], [S(1)]), mesh, redistribute_inputs=True,
-    )
-    row = localmap_fx.local_map(lambda h, w: h @ w, [P], ([S(2)], [S(0)]), None, mesh)
-
-    def step(x, w1, w3, w2):
-        y = row(col(x, w1, w3), w2).redistribute(mesh, [S(1)]).redistribute(mesh, [R])
-        return (y * y).sum()
-
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(4, 8, 16, generator=g)] + [torch.randn(*s, generator=g) / 4 for s in ((16, 32), (16, 32), (32, 16))]
-    pls = [[S(1)], [S(1)], [S(1)], [S(0)]]
-    grads = {}
-    for name, fn in (("eager", step), ("outline", None), ("inline", None)):
-        torch._dynamo.reset()
-        if name != "eager":
-            be = localmap_fx.backend("inductor", outline=name == "outline", share_layers=False)
-            fn = torch.compile(step, backend=be, fullgraph=True)
-        args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, pls)]
-        fn(*args).backward()
-        grads[name] = args[3].grad.full_tensor()
-    e = grads["eager"]
-    return {k: ((v - e).abs().max() / e.abs().max()).item() for k, v in grads.items() if k != "eager"}
+    return outlined_row_after_column(None, world_size, device)
 
 
 # --------------------------------------------------------------------------- #
