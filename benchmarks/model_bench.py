@@ -41,6 +41,8 @@ import time
 
 import torch
 
+from .doc_sections import replace_section
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -256,15 +258,7 @@ def markdown(res: dict, machine: str = "", quick: bool = False) -> str:
 
 
 def write_docs(md: str, docs: str) -> None:
-    path = os.path.join(docs, "benchmarks.md")
-    with open(path) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} lacks the {BEGIN} / {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(path, "w") as f:
-        f.write(head + BEGIN + "\n" + md + END + tail)
+    replace_section(os.path.join(docs, "benchmarks.md"), BEGIN, END, md)
 
 
 def run(quick: bool = False, device: str = "cpu", backend: str = "gloo", log: bool = False) -> dict:

@@ -570,16 +570,9 @@ def write(results: dict, out_dir: str, docs: str | None = None) -> None:
         shutil.copyfile(os.path.join(out_dir, "results.png"), os.path.join(docs, "benchmarks.png"))
         if ct_png is not None:
             shutil.copyfile(os.path.join(out_dir, "compile_breakdown.png"), os.path.join(docs, "benchmarks_compile.png"))
-        path = os.path.join(docs, "benchmarks.md")
-        begin, end = "<!-- results:begin -->", "<!-- results:end -->"
-        with open(path) as f:
-            text = f.read()
-        if begin not in text or end not in text:
-            raise SystemExit(f"{path} lacks the {begin} / {end} markers")
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        with open(path, "w") as f:
-            f.write(head + begin + "\n" + md + end + tail)
+        from .doc_sections import replace_section
+
+        replace_section(os.path.join(docs, "benchmarks.md"), "<!-- results:begin -->", "<!-- results:end -->", md)
 
 
 def main(argv: list[str] | None = None) -> int:
