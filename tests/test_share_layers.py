@@ -23,8 +23,10 @@ from localmap_fx.backend import AUTO_MIN_LAYERS, layer_sharing_decision
 from localmap_fx.graph_utils import node_value
 from localmap_fx.passes.share_layers import (
     META_PIECE,
+    LayerSpan,
     compute_nodes,
     find_layer_spans,
+    merge_unshared,
     span_io,
     split_layers,
 )
@@ -119,6 +121,35 @@ def test_finder_tp_stack_has_two_regions_per_layer():
     nodes = compute_nodes(gm, plan.hoisted)
     _, outputs = span_io(nodes[first.start : first.stop])
     assert outputs and not any(hasattr(node_value(o), "placements") for o in outputs)
+
+
+def test_merge_joins_only_neighbours_that_nothing_shares():
+    def span(i, start, stop, shared):
+        return LayerSpan(i, start, stop, ("K",) if shared else None, None if shared else "differs")
+
+    prefix = (0, 2, ())
+    a, b, c, d = span(0, 2, 5, False), span(1, 5, 8, True), span(2, 8, 11, True), span(3, 11, 14, False)
+    tail = (14, 16, ())
+    cuts = [prefix, (2, 5, (a,)), (5, 8, (b,)), (8, 11, (c,)), (11, 14, (d,)), tail]
+    assert merge_unshared(cuts) == [(0, 5, (a,)), (5, 8, (b,)), (8, 11, (c,)), (11, 16, (d,))]
+    # two shared layers next to each other stay two calls of one piece
+    assert merge_unshared([(5, 8, (b,)), (8, 11, (c,))]) == [(5, 8, (b,)), (8, 11, (c,))]
+    assert merge_unshared([prefix, tail]) == [(0, 16, ())]
+
+
+def test_tp_stack_last_layer_and_loss_are_one_piece():
+    from benchmarks.models import build_tp_stack
+
+    mesh = mesh_1d()
+    step, st = build_tp_stack(mesh, "ours", n_blocks=3, batch=8, d=8, hidden=16)
+    gm = _capture(step, st["x"], st["w1"], st["w2"])
+    outer = split_layers(gm, find_layer_spans(gm))
+    metas = [n.meta[META_PIECE] for n in outer.graph.nodes if META_PIECE in n.meta]
+    assert [(m["layer"], m["key"] is not None) for m in metas] == [(None, False), (0, True), (1, True), (2, False)]
+    last = outer.get_submodule(metas[-1]["name"])
+    ops = [getattr(n.target, "__name__", str(n.target)) for n in last.graph.nodes if n.op.startswith("call_")]
+    assert "sum" in ops, ops  # the loss joined the last layer's piece
+    assert metas[-1]["reason"].endswith("with the tail")
 
 
 def test_finder_without_repeats_says_why():

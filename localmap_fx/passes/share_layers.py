@@ -434,9 +434,61 @@ def _copy_span(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs, na
     return fx.GraphModule(owner, g, class_name=name)
 
 
+_Cut = tuple[int, int, tuple[LayerSpan, ...]]
+
+
+def _cuts(plan: LayerPlan, n_nodes: int) -> list[_Cut]:
+    """Node ranges in program order: each layer span, and what lies between."""
+    cuts: list[_Cut] = []
+    at = 0
+    for span in plan.spans:
+        if span.start > at:
+            cuts.append((at, span.start, ()))
+        cuts.append((span.start, span.stop, (span,)))
+        at = span.stop
+    if at < n_nodes:
+        cuts.append((at, n_nodes, ()))
+    return cuts
+
+
+def merge_unshared(cuts: Sequence[_Cut]) -> list[_Cut]:
+    """Join neighbouring cuts that no other cut shares into one.
+
+    Note: [Unshared neighbours are one piece]
+        Every piece is a separate forward and backward compile, and on CPU
+        each distinct kernel is a separate C++ compile; a piece compiled for
+        one use buys nothing by standing alone.  So the prefix, an unshared
+        first or last layer and the tail, when adjacent, go to the inner
+        compiler together (where Inductor can also fuse across the old
+        border), e.g. the last layer of a TP stack with the loss after it.
+    """
+    out: list[_Cut] = []
+    for a, b, spans in cuts:
+        unshared = all(s.key is None for s in spans)
+        if out and unshared and all(s.key is None for s in out[-1][2]):
+            a0, _, spans0 = out[-1]
+            out[-1] = (a0, b, spans0 + spans)
+        else:
+            out.append((a, b, spans))
+    return out
+
+
+def _piece_reason(spans: Sequence[LayerSpan], a: int, b: int, n_nodes: int) -> str | None:
+    if len(spans) == 1 and spans[0].key is not None:
+        return None
+    parts = [f"layer {s.index}: {s.reason}" if len(spans) > 1 else str(s.reason) for s in spans]
+    if spans and (a < spans[0].start or b > spans[-1].stop):
+        ends = [w for w, yes in (("prefix", a == 0 and a < spans[0].start),
+                                 ("tail", b == n_nodes and b > spans[-1].stop)) if yes]
+        parts.append("with the " + " and ".join(ends or ["nodes between layers"]))
+    return "; ".join(parts) if parts else None
+
+
 def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
-    """Cut ``gm`` into pieces along ``plan``: one submodule per layer span, and
-    one for the nodes before the first layer and after the last.
+    """Cut ``gm`` into pieces along ``plan``: one submodule per shared layer
+    span; neighbouring unshared nodes (before the first layer, after the
+    last, unshared layers) form one submodule each (Note: [Unshared
+    neighbours are one piece]).
 
     The returned outer graph keeps ``gm``'s placeholders and output and calls
     ``piece_<i>`` submodules; each call node carries ``meta[META_PIECE] =
@@ -445,15 +497,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
     order, same outputs), so one compiled callable serves them all.
     """
     nodes = compute_nodes(gm, plan.hoisted)
-    cuts: list[tuple[int, int, LayerSpan | None]] = []
-    at = 0
-    for span in plan.spans:
-        if span.start > at:
-            cuts.append((at, span.start, None))
-        cuts.append((span.start, span.stop, span))
-        at = span.stop
-    if at < len(nodes):
-        cuts.append((at, len(nodes), None))
+    cuts = merge_unshared(_cuts(plan, len(nodes)))
 
     outer = fx.Graph()
     root = torch.nn.Module()
@@ -462,7 +506,8 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
         if n.op == "placeholder":
             env[n] = outer.node_copy(n)
     n_piece = 0
-    for a, b, piece_span in cuts:
+    for a, b, piece_spans in cuts:
+        piece_span = piece_spans[0] if piece_spans else None
         piece_nodes = nodes[a:b]
         inputs, outputs = span_io(piece_nodes)
         if not outputs:
@@ -479,7 +524,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
             "name": name,
             "layer": piece_span.index if piece_span is not None else None,
             "key": piece_span.key if piece_span is not None else None,
-            "reason": piece_span.reason if piece_span is not None else None,
+            "reason": _piece_reason(piece_spans, a, b, len(nodes)),
             "nodes": (a, b),
             "inputs": [i.name for i in inputs],
         }
