@@ -83,7 +83,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         # in_placements mirrors the arguments (or names them): own flattening
         flat_args, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
         plan, flat_specs, flat_grads = _plan_nested_inputs(
-            tuple(validate.describe(a) for a in flat_args),
+            tuple(validate.describe_traced(a) for a in flat_args),
             paths,
             lm.in_placements,
             lm.in_grad_placements,
@@ -95,7 +95,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     else:
         annotation = lm.spec_annotation
         plan = _plan_inputs(
-            tuple(validate.describe(a) for a in flat_args),
+            tuple(validate.describe_traced(a) for a in flat_args),
             lm.in_placements,
             lm.in_grad_placements,
             lm.redistribute_inputs,
@@ -139,7 +139,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         raise AssertionError("a region with a DTensor argument has a mesh")
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
-    _check_outputs(tuple(validate.describe(o) for o in flat_out), out_specs, mesh.ndim)
+    _check_outputs(tuple(validate.describe_traced(o) for o in flat_out), out_specs, mesh.ndim)
     flat_dist = []
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):

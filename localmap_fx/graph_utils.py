@@ -67,6 +67,15 @@ def node_value(node: Any) -> Any:
     return val if val is not None else meta.get("val")
 
 
+def is_size_computation(node: fx.Node) -> bool:
+    """Whether ``node`` computes a (symbolic) scalar, e.g. ``sym_size`` or
+    ``s0 // 2``: Dynamo emits these unannotated wherever a size is needed."""
+    if node.op != "call_function":
+        return False
+    value = node_value(node)
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def custom_meta(node: fx.Node) -> dict:
     """The annotations ``torch.fx.traceback.annotate`` put on ``node`` (maybe empty)."""
     return node.meta.get(CUSTOM) or {}

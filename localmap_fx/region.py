@@ -289,6 +289,10 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
                 # getitem of a multi-output body op belongs to the body
                 cur.append(node)
                 continue
+            if cur and graph_utils.is_size_computation(node):
+                # Dynamo's unannotated size arithmetic (dynamic shapes) may
+                # sit between a call's nodes; it stays outside the region
+                continue
             if cur:
                 runs.append((cur_ann, cur))
             cur, cur_ann, last_role = [], None, None

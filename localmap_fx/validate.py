@@ -169,7 +169,9 @@ def _as_placements_for(spec: Any, where: str) -> tuple | None:
 
 def _type_name(x: Any) -> str:
     if type(x).__name__ == "Described":
-        return type(x.value).__name__ if x.kind == "value" else str(x.value)
+        if x.kind == "value":
+            return type(x.value).__name__
+        return str(x.value)
     return type(x).__name__
 
 
@@ -290,6 +292,8 @@ class Described:
             return f"Tensor(ndim={self.ndim})"
         if self.kind == "value":
             return str(self.value)
+        if self.kind == "number":
+            return f"<{self.value}>"
         return f"<{self.value} object>"
 
     __repr__ = __str__
@@ -304,6 +308,22 @@ def describe(x: Any) -> tuple:
     if isinstance(x, (int, float, bool, str, type(None))):
         return ("value", x)
     return ("object", type(x).__name__)
+
+
+def describe_traced(x: Any) -> tuple:
+    """:func:`describe` for code Dynamo traces: numbers without their value.
+
+    An ``int``, ``float`` or ``bool`` there may be symbolic (a size under a
+    dynamic shape, a ``.tolist()`` item), which ``assume_constant_result``
+    cannot take as an argument, and Dynamo reports a ``SymInt`` as an
+    ``int`` to ``isinstance``/``type``, so no traced test tells the two
+    apart.  The checks only need the kind; messages name the type instead.
+    """
+    if isinstance(x, torch.Tensor) or type(x) in (str, type(None)):
+        return describe(x)
+    if isinstance(x, (int, float, bool)):
+        return ("number", type(x).__name__)
+    return describe(x)
 
 
 def described(desc: tuple) -> Described:

@@ -273,3 +273,40 @@ def test_repeated_regions_under_checkpoint_share_then_inline():
         assert len(regions) == 4 and {r.scope for r in regions} == {"wrap_body_0"}, stage
     final = rec.stage("fuse_boundaries").wrap_body_0
     assert not any(n.target is torch.ops.higher_order.invoke_subgraph for n in final.graph.nodes)
+
+
+# --- symbolic sizes (dynamic sequence length) ----------------------------------------
+
+
+def _norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def test_size_arithmetic_between_region_nodes_stays_outside():
+    """Sequence-sharded input with a symbolic length: Dynamo emits unannotated
+    ``sym_size``/``//`` nodes between the region's ``to_local``s; the region is
+    still one call with both arguments and its output."""
+    from localmap_fx.graph_utils import is_size_computation
+
+    mesh = mesh_1d()
+    norm = localmap_fx.local_map(_norm, [Shard(1)], ([Shard(1)], [Replicate()]), device_mesh=mesh)
+    rec = Recorder("aot_eager")
+    # as in the Llama blocks: the region's input is a redistributed activation
+    compiled = torch.compile(
+        lambda x, w: norm(x.redistribute(mesh, [Shard(1)]), w) + 1, backend=rec.backend, fullgraph=True
+    )
+    x = distribute_tensor(torch.randn(2, 16, 8), mesh, [Replicate()])
+    w = distribute_tensor(torch.randn(8), mesh, [Replicate()])
+    torch._dynamo.mark_dynamic(x, 1)
+    compiled(x, w)
+    gm = rec.stage("captured")
+    nodes = list(gm.graph.nodes)
+    (region,) = localmap_fx.find_regions(gm)
+    first = nodes.index(region.enter_nodes[0])
+    last = nodes.index(region.exit_nodes[-1])
+    between = [n for n in nodes[first:last] if is_size_computation(n)]
+    assert between, "the test no longer interleaves size arithmetic: update it"
+    assert not set(between) & {*region.enter_nodes, *region.body_nodes, *region.exit_nodes}
+    assert [i.kind for i in region.inputs][:2] == ["arg", "arg"]
+    assert len(region.outputs) == 1
+    assert len(localmap_fx.find_regions(rec.stage("fuse_boundaries"))) == 1

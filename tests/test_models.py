@@ -71,7 +71,11 @@ def _loss(out):
 
 def _step(model, fn=None, batch=4, seq=8):
     """One forward + backward; loss and grads as this rank's local shards."""
-    tokens, targets = model.make_inputs(batch, seq)
+    return _step_on(model, fn, *model.make_inputs(batch, seq))
+
+
+def _step_on(model, fn, tokens, targets):
+    model.zero_grad(set_to_none=True)
     loss = _loss((fn if fn is not None else model)(tokens, targets))
     loss.backward()
     grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
@@ -206,6 +210,31 @@ def _compiled_ranks(rank, world_size, device, dump_root):
                     torch._dynamo.mark_dynamic(targets, 1)
                 ok.append(torch.equal(_loss(fn(tokens, targets)).to_local(), _loss(m(tokens, targets)).to_local()))
             report[(which, f"upstream {mode}")] = ok
+
+        # ours with a dynamic sequence length: every length against eager, and
+        # how many graphs Dynamo handed the backend (static first, then one
+        # symbolic graph for automatic dynamic; one symbolic for mark_dynamic)
+        for mode, inner in (("mark_dynamic", "aot_eager"), ("automatic", "aot_eager"), ("mark_dynamic", "inductor")):
+            torch._dynamo.reset()
+            m = _build(which, mesh, cfg={"n_layers": 1})
+            graphs: list = []
+            be = localmap_fx.backend(inner)
+
+            def counting(gm, example_inputs, be=be, graphs=graphs):
+                graphs.append(gm)
+                return be(gm, example_inputs)
+
+            fn = torch.compile(m, backend=counting, fullgraph=True)
+            errs = []
+            for seq in (8, 12, 16):
+                tokens, targets = m.make_inputs(4, seq)
+                if mode == "mark_dynamic":
+                    torch._dynamo.mark_dynamic(tokens, 1)
+                    torch._dynamo.mark_dynamic(targets, 1)
+                got = _step_on(m, fn, tokens, targets)
+                want = _step_on(m, None, tokens, targets)
+                errs.append(0.0 if _bitwise(got, want) else _max_rel(got, want))
+            report[(which, f"ours {mode} {inner}")] = (errs, len(graphs))
     report["minimal outlined inductor"] = _outlined_inductor_minimal(device, world_size)
     report["minimal shared norm"] = _shared_norm_minimal(device, world_size)
     return report
@@ -471,54 +500,24 @@ def test_dump_shows_regions_and_collectives(compiled, which):
     assert "| backward |" in text and "| forward |" in text
 
 
-# --- dynamic sequence length under backend="localmap_fx" (compile only, fake group) ---
+# --- dynamic sequence length under backend="localmap_fx" ----------------------------
 
 
-def _compile_dynamic(model, mode):
-    import localmap_fx
-
-    fn = torch.compile(model, backend=localmap_fx.backend("aot_eager"), fullgraph=True)
-    for seq in (8, 16):
-        tokens, targets = model.make_inputs(4, seq)
-        if mode == "mark_dynamic":
-            torch._dynamo.mark_dynamic(tokens, 1)
-            torch._dynamo.mark_dynamic(targets, 1)
-        _loss(fn(tokens, targets)).backward()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.BackendCompilerFailed,
-    reason="localmap_fx bug (region.py find_regions/_extract): with a symbolic sequence length the "
-    "Llama graph fails in the lower pass with KeyError on a body output node (the RMSNorm region's "
-    "`out`); torch's local_map compiles the same model (test_upstream_dynamic_sequence_length)",
+@pytest.mark.parametrize("which", MODELS)
+@pytest.mark.parametrize(
+    "mode, inner, n_graphs",
+    [("mark_dynamic", "aot_eager", 1), ("automatic", "aot_eager", 2), ("mark_dynamic", "inductor", 1)],
 )
-@pytest.mark.parametrize("mode", ["mark_dynamic", "automatic"])
-def test_llama_dynamic_sequence_length(mesh1d, mode):
-    from localmap_fx.testing.llama import Llama, LlamaConfig
-
-    _compile_dynamic(Llama(LlamaConfig(n_layers=1, n_kv_heads=4), mesh1d), mode)
-
-
-_SYMINT_BUG = (
-    "localmap_fx bug (capture.py): a SymInt argument or non-tensor output of a region (here the "
-    "MoE's token count under a dynamic sequence length) reaches the assume_constant_result "
-    "validators and Dynamo refuses it ('assume_constant_result argument conversion failed')"
-)
+def test_dynamic_sequence_length(compiled, which, mode, inner, n_graphs):
+    """Three lengths, one symbolic graph: aot_eager bitwise equal to eager, inductor within tolerance."""
+    for errs, graphs in _all(compiled, (which, f"ours {mode} {inner}")):
+        assert graphs == n_graphs
+        if inner == "aot_eager":
+            assert errs == [0.0, 0.0, 0.0]
+        else:
+            assert max(errs) <= INDUCTOR_RTOL, errs
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported, reason=_SYMINT_BUG)
-@pytest.mark.parametrize("mode", ["mark_dynamic", "automatic"])
-def test_moe_dynamic_sequence_length(fake_pg, mode):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from localmap_fx.testing.moe import MoE, MoEConfig
-
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
-    _compile_dynamic(MoE(MoEConfig(n_layers=1), mesh), mode)
-
-
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported, reason=_SYMINT_BUG)
 @pytest.mark.parametrize("where", ["argument", "output"])
 def test_symint_region_argument_or_output(mesh1d, where):
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -534,9 +533,31 @@ def test_symint_region_argument_or_output(mesh1d, where):
         y, n = rows(x)
         return y * n
 
+    compiled = torch.compile(fn, backend=localmap_fx.backend("aot_eager"), fullgraph=True)
+    for rows_ in (8, 12):
+        x = distribute_tensor(torch.randn(rows_, 4), mesh1d, [Shard(0)])
+        torch._dynamo.mark_dynamic(x, 0)
+        got, want = compiled(x), fn(x)
+        assert got.placements == want.placements and got.shape == want.shape
+        assert torch.equal(got.to_local(), want.to_local())
+
+
+def test_symint_argument_with_a_placement_is_a_clear_error(mesh1d):
+    """A symbolic size given a placement fails like the same int does in eager, naming the argument."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import localmap_fx
+
+    scale = localmap_fx.local_map(lambda x, n: x * n, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh1d)
     x = distribute_tensor(torch.randn(8, 4), mesh1d, [Shard(0)])
+    with pytest.raises(AssertionError, match=r"Non-Tensor input 8 expects None placements") as eager:
+        scale(x, x.shape[0])
+    assert "in_placements[1]" in str(eager.value)
     torch._dynamo.mark_dynamic(x, 0)
-    torch.compile(fn, backend=localmap_fx.backend("aot_eager"), fullgraph=True)(x)
+    compiled = torch.compile(lambda x: scale(x, x.shape[0]), backend=localmap_fx.backend("aot_eager"), fullgraph=True)
+    with pytest.raises(AssertionError, match=r"Non-Tensor input <int> expects None placements") as err:
+        compiled(x)
+    assert "in_placements[1]" in str(err.value)
 
 
 # --- bad configurations fail at construction, naming the fix ------------------------
