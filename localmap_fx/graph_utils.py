@@ -70,10 +70,15 @@ def node_value(node: Any) -> Any:
 def is_size_computation(node: fx.Node) -> bool:
     """Whether ``node`` computes a (symbolic) scalar, e.g. ``sym_size`` or
     ``s0 // 2``: Dynamo emits these unannotated wherever a size is needed."""
-    if node.op != "call_function":
+    if node.op not in ("call_function", "call_method"):
         return False
     value = node_value(node)
-    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    if isinstance(value, (tuple, list)):  # x.size(), torch.Size
+        return bool(value) and all(isinstance(v, (int, *symbolic)) for v in value) and any(
+            isinstance(v, symbolic) for v in value
+        )
+    return isinstance(value, symbolic)
 
 
 def custom_meta(node: fx.Node) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch.distributed as dist
@@ -48,3 +49,30 @@ def rank_dtensor(full, mesh, placements, requires_grad=True):
         local = LocalTensor({r: local.clone() for r in range(WORLD_SIZE)})
         dt = DTensor.from_local(local, mesh, list(placements), run_check=False, shape=dt.shape, stride=dt.stride())
     return dt.detach().requires_grad_(requires_grad)
+
+
+@contextlib.contextmanager
+def waiting_collectives():
+    """Waits, on exit, every functional collective issued inside: eager funcol
+    calls on the fake group whose results nothing reads (e.g. in a body a
+    checker rejects halfway) would otherwise stay unwaited."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    issued: list = []
+
+    class _Issued(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.namespace == "_c10d_functional" and func is not wait:
+                issued.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    try:
+        with _Issued():
+            yield
+    finally:
+        for t in issued:
+            wait(t)

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import localmap_fx
 
-from helpers import WORLD_SIZE, mesh_for
+from helpers import WORLD_SIZE, mesh_for, waiting_collectives
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 
@@ -593,6 +593,7 @@ def test_compiled_verdict_matches_eager(name):
         assert "[localmap_fx] in local_map region" in str(compiled_exc)
 
 
+@pytest.mark.usefixtures("waited_collectives")
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_local_map_differs_only_on_funcol(name):
     """torch's local_map(spmd_types=True): same verdict except with funcol,
@@ -723,5 +724,5 @@ def test_known_gap_nonlinear_on_varying_partial_sums():
     # does not type functional collectives (all_reduce keeps V), so this is
     # not detection of the bug (see the funcol deviation in the user guide)
     for c in (case, fixed):
-        with pytest.raises(ValueError, match="inferred spmd.V"):
+        with pytest.raises(ValueError, match="inferred spmd.V"), waiting_collectives():
             _local_map(c, mesh, impl=torch_local_map)(*inputs)

@@ -100,6 +100,7 @@ def _rows():
                     yield pytest.param(rule, op, t, grad, id=name)
 
 
+@pytest.mark.usefixtures("waited_collectives")
 @pytest.mark.parametrize("rule,op,t,grad", list(_rows()))
 def test_rule_row(rule, op, t, grad):
     mesh = mesh_1d()
@@ -122,6 +123,7 @@ def test_rule_row(rule, op, t, grad):
 # --- other axes, flattened groups, bad groups, unknown ops -------------------------
 
 
+@pytest.mark.usefixtures("waited_collectives")
 def test_other_axes_keep_their_type():
     m = mesh_2d()
     dp, tp = _axis(m, 0), _axis(m, 1)
@@ -132,6 +134,7 @@ def test_other_axes_keep_their_type():
     assert spmd.get_local_type(y) == {dp: P, tp: R}
 
 
+@pytest.mark.usefixtures("waited_collectives")
 def test_collective_over_the_whole_2d_mesh_reduces_both_axes():
     m = mesh_2d()
     dp, tp = _axis(m, 0), _axis(m, 1)
@@ -175,6 +178,7 @@ def test_functional_collective_without_a_rule():
         torch.ops._c10d_functional.all_reduce_(x, "sum", mesh.get_group(0).group_name)
 
 
+@pytest.mark.usefixtures("waited_collectives")
 def test_outside_checking_nothing_is_typed():
     mesh = mesh_1d()
     x = torch.randn(8, 4)
