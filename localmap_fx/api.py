@@ -122,6 +122,8 @@ class LocalMap:
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan: EagerPlan | None = None
+        # Built by capture on its first planned call (capture_plan.annotations).
+        self._capture_annotations: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():

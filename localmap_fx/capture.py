@@ -36,12 +36,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._dynamo.comptime import comptime
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
 from . import argtree, validate
 from ._pytree import flatten_args, pytree, unflatten_args
+from .capture_plan import plan_call, plan_outputs, taken
 from .errors import compile_time
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from .reuse import run_body
@@ -77,6 +79,62 @@ _check_outputs = _at_compile_time(validate.check_outputs)
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    if not kwargs:
+        # the common call is planned in real Python (localmap_fx.capture_plan)
+        comptime(plan_call)
+        plan = taken()
+        if plan is not None:
+            return _call_planned(lm, args, plan)
+    return _call_traced(lm, args, kwargs)
+
+
+def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
+    """A flat call planned by comptime: Dynamo traces only the boundary ops.
+
+    Every instruction here is traced per call (Note: [Why the planned path is
+    short] in :mod:`localmap_fx.capture_plan`): no helpers, one ``annotate``
+    per node group, the annotations built once per ``LocalMap``.
+    """
+    enters, body_annotation, spec, mesh_from = plan
+    if body_annotation is None:
+        # torch runs the function untouched when no DTensor is given: no region.
+        return lm.func(*args)
+    mesh = lm.device_mesh if mesh_from is None else args[mesh_from].device_mesh
+    flat_local = []
+    for arg, step in zip(args, enters):
+        if step is None:
+            flat_local.append(arg)
+            continue
+        target, grad, annotation = step
+        with annotate(annotation):
+            if target is not None:
+                arg = arg.redistribute(placements=target)
+            local = arg.to_local() if grad is None else arg.to_local(grad_placements=grad)
+            if isinstance(local, AsyncCollectiveTensor):
+                local = local.wait()
+        flat_local.append(local)
+    with annotate(body_annotation):
+        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        out = run_body(lm.func, tuple(flat_local), {}, spec, mesh)
+    comptime(plan_outputs)
+    exits = taken()
+    if exits is None:
+        return _exit_traced(lm, lm.spec_annotation, out, mesh, _input_shapes(args, enters, flat_local))
+    single, exits = exits
+    outs = (out,) if single else out
+    flat_dist = []
+    for o, (placements, shape, stride, annotation) in zip(outs, exits):
+        with annotate(annotation):
+            if shape is None:
+                dt = DTensor.from_local(o, mesh, placements, run_check=False)
+            else:
+                dt = DTensor.from_local(o, mesh, placements, run_check=False, shape=shape, stride=stride)
+        flat_dist.append(dt)
+    return flat_dist[0] if single else tuple(flat_dist)
+
+
+def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    """Every other call: Dynamo traces the checks and the bookkeeping."""
     flat_args, args_spec = flatten_args(args)
     nested = argtree.wants_nested(lm.in_placements, len(flat_args), len(args))
     if nested:
@@ -104,7 +162,6 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     mesh = lm.device_mesh
     seen_dtensor = False
     flat_local: list = []
-    in_shapes: list = []
     for idx, (arg, step) in enumerate(zip(flat_args, plan)):
         if step is None:
             flat_local.append(arg)
@@ -112,15 +169,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         if mesh is None:
             mesh = arg.device_mesh
         seen_dtensor = True
-        target, grad = step
-        with annotate(annotation), annotate(_ENTER), annotate({META_INDEX: idx}):
-            if target is not None:
-                arg = arg.redistribute(placements=target)
-            local = arg.to_local(grad_placements=grad) if grad is not None else arg.to_local()
-            if isinstance(local, AsyncCollectiveTensor):
-                local = local.wait()
-        in_shapes.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
-        flat_local.append(local)
+        flat_local.append(_enter(arg, step, annotation, idx))
 
     if nested:
         local_args = argtree.unflatten(args, flat_local[:n_positional])
@@ -134,9 +183,44 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     with annotate(annotation), annotate(_BODY):
         # repeated calls of one region key are traced once (localmap_fx.reuse)
         out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
+    return _exit_traced(lm, annotation, out, mesh, _input_shapes(flat_args, plan, flat_local))
 
-    if mesh is None:
-        raise AssertionError("a region with a DTensor argument has a mesh")
+
+def _enter(arg: DTensor, step: tuple, annotation: dict, idx: int) -> torch.Tensor:
+    """Redistribute (if planned) and take the local tensor of argument ``idx``."""
+    target, grad = step
+    with annotate(annotation), annotate(_ENTER), annotate({META_INDEX: idx}):
+        if target is not None:
+            arg = arg.redistribute(placements=target)
+        local = arg.to_local(grad_placements=grad) if grad is not None else arg.to_local()
+        if isinstance(local, AsyncCollectiveTensor):
+            local = local.wait()
+    return local
+
+
+def _input_shapes(flat_args: Any, plan: tuple, flat_local: list) -> list:
+    """``(placements, global shape, local shape)`` of each DTensor argument as
+    the body saw it, for the outputs' global shapes."""
+    shapes = []
+    for arg, step, local in zip(flat_args, plan, flat_local):
+        if step is None:
+            continue
+        placements = tuple(step[0]) if step[0] is not None else arg.placements
+        shapes.append((placements, tuple(arg.shape), tuple(local.shape)))
+    return shapes
+
+
+def _exit(o: torch.Tensor, mesh: Any, spec: Any, shape: tuple, uneven: bool, annotation: dict, idx: int) -> DTensor:
+    """Output ``idx`` as a DTensor; uneven shards need their global shape."""
+    with annotate(annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
+        if uneven:
+            dt = DTensor.from_local(o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape))  # type: ignore[arg-type]
+        else:
+            dt = DTensor.from_local(o, mesh, spec, run_check=False)
+    return dt
+
+
+def _exit_traced(lm: LocalMap, annotation: dict, out: Any, mesh: Any, in_shapes: list) -> Any:
     flat_out, out_spec = pytree.tree_flatten(out)
     out_specs = lm.out_specs
     _check_outputs(tuple(validate.describe_traced(o) for o in flat_out), out_specs, mesh.ndim)
@@ -144,14 +228,7 @@ def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     for idx, (o, spec) in enumerate(zip(flat_out, out_specs)):
         if isinstance(o, torch.Tensor):
             shape, uneven = output_global_shape(tuple(o.shape), tuple(spec), tuple(mesh.shape), in_shapes)
-            with annotate(annotation), annotate(_EXIT), annotate({META_INDEX: idx}):
-                if uneven:
-                    dt = DTensor.from_local(
-                        o, mesh, spec, run_check=False, shape=shape, stride=contiguous_stride(shape)  # type: ignore[arg-type]
-                    )
-                else:
-                    dt = DTensor.from_local(o, mesh, spec, run_check=False)
-                flat_dist.append(dt)
+            flat_dist.append(_exit(o, mesh, spec, shape, uneven, annotation, idx))
         else:
             flat_dist.append(o)
     return pytree.tree_unflatten(flat_dist, out_spec)

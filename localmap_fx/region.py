@@ -211,7 +211,10 @@ class Region:
 
     node: fx.Node
     spec: RegionSpec
-    subgraph: fx.GraphModule
+    # the body, or (graph, owner) to build it from on first use: building a
+    # GraphModule generates and compiles its code, about 1 ms per region, and
+    # most passes only read the graph (Note: [Bodies are built on demand])
+    _body: fx.GraphModule | tuple[fx.Graph, torch.nn.Module]
     enter_nodes: list[fx.Node]
     body_nodes: list[fx.Node]
     exit_nodes: list[fx.Node]
@@ -222,6 +225,29 @@ class Region:
     # ("" = the root graph; see Note: [Regions inside nested subgraphs])
     owner: fx.GraphModule | None = None
     scope: str = ""
+
+    # Note: [Bodies are built on demand]
+    #     find_regions runs several times per compile (each pass, the layer
+    #     finder) over every region; only the regions a pass rewrites or
+    #     interprets need their body as a GraphModule.
+    @property
+    def subgraph(self) -> fx.GraphModule:
+        """The body at local shapes as a ``GraphModule`` (see the class docstring)."""
+        if not isinstance(self._body, fx.GraphModule):
+            graph, owner = self._body
+            self._body = fx.GraphModule(owner, graph, class_name="region_body")
+        return self._body
+
+    @property
+    def body_graph(self) -> fx.Graph:
+        """The body's graph, without building its module."""
+        return self._body.graph if isinstance(self._body, fx.GraphModule) else self._body[0]
+
+    @property
+    def body_owner(self) -> torch.nn.Module:
+        """The module holding the body's ``get_attr`` targets (for
+        ``fx.Interpreter(owner, graph=...)``), without building the body."""
+        return self._body if isinstance(self._body, fx.GraphModule) else self._body[1]
 
 
 def index_of(node: fx.Node) -> int:
@@ -331,7 +357,7 @@ def _local_of_enter(enter: list[fx.Node], idx: int) -> fx.Node | None:
 
 def _extract(
     gm: fx.GraphModule, enter: list[fx.Node], body: list[fx.Node], exits: list[fx.Node]
-) -> tuple[fx.GraphModule, list[RegionInput], list[fx.Node]]:
+) -> tuple[tuple[fx.Graph, torch.nn.Module], list[RegionInput], list[fx.Node]]:
     body_set = set(body)
     # Inputs: user arguments first, in the order the user wrote them.
     arg_locals: dict[fx.Node, int] = {}
@@ -348,6 +374,13 @@ def _extract(
             if a not in body_set and a not in seen:
                 seen.add(a)
                 inputs.append(RegionInput("captured", None, a))
+    for e in exits:
+        src = e.args[0] if e.args else None
+        if isinstance(src, fx.Node) and src not in body_set and src not in seen:
+            # the body ran in an earlier graph (a graph break inside it): its
+            # result enters this graph as an input and leaves unchanged
+            seen.add(src)
+            inputs.append(RegionInput("captured", None, src))
     # Outputs: values leaving the body, exit order first.
     outputs: list[fx.Node] = []
     for e in sorted(exits, key=lambda n: custom_meta(n).get(META_INDEX, 0)):
@@ -379,7 +412,7 @@ def _extract(
             continue
         env[n] = sub.node_copy(n, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(owner, sub, class_name="region_body"), inputs, outputs
+    return (sub, owner), inputs, outputs
 
 
 def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
@@ -442,7 +475,7 @@ def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:
                 Region(
                     node=node,
                     spec=rmeta["spec"],
-                    subgraph=sub,
+                    _body=sub,
                     enter_nodes=enter,
                     body_nodes=body,
                     exit_nodes=exits,
@@ -464,7 +497,7 @@ def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:
             Region(
                 node=node,
                 spec=spec,
-                subgraph=sub,
+                _body=sub,
                 enter_nodes=enter,
                 body_nodes=body,
                 exit_nodes=exits,

@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.lowering.plan",
         "localmap_fx.lowering.spmd_check",
     ),
-    ("localmap_fx.spmd",),
+    ("localmap_fx.spmd", "localmap_fx.capture_plan"),
     ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd_rules", "localmap_fx.reuse"),
     (
         "localmap_fx.argtree",

@@ -26,8 +26,11 @@ the same storage twice, or when it sits inside a nested subgraph
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -76,11 +79,13 @@ def _arg_repr(a, env):
     return repr(a)
 
 
-def _structural_key(gm: fx.GraphModule) -> tuple:
-    """Equal keys mean the two bodies compute the same thing on same-shaped inputs."""
+def _structural_key(graph: fx.Graph, attr: Callable[[str], Any]) -> tuple:
+    """Equal keys mean the two bodies compute the same thing on same-shaped inputs.
+
+    ``attr`` reads a ``get_attr`` target of ``graph``."""
     env: dict[fx.Node, tuple] = {}
     parts: list[tuple] = []
-    for i, n in enumerate(gm.graph.nodes):
+    for i, n in enumerate(graph.nodes):
         env[n] = ("n", i)
         if n.op == "placeholder":
             v = _val(n)
@@ -92,7 +97,7 @@ def _structural_key(gm: fx.GraphModule) -> tuple:
             )
             parts.append(("ph", meta))
         elif n.op == "get_attr":
-            parts.append(("attr", id(getattr(gm, n.target))))
+            parts.append(("attr", id(attr(str(n.target)))))
         else:
             parts.append((n.op, n.target if isinstance(n.target, str) else id(n.target),
                           _arg_repr(n.args, env), _arg_repr(n.kwargs, env)))
@@ -184,7 +189,7 @@ def find_input_writes(region: Region) -> tuple[str, str] | None:
     recorder = _WriteRecorder(watched)
     try:
         with mode, recorder, torch.no_grad():
-            fx.Interpreter(region.subgraph).run(*fakes)
+            fx.Interpreter(region.body_owner, graph=region.body_graph).run(*fakes)
     except Exception as e:  # noqa: BLE001 - cannot tell: keep the body inline
         return ("?", f"not analyzable: {type(e).__name__}")
     return recorder.hit
@@ -199,10 +204,11 @@ def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:
         if shared is not None and not region.scope:
             # Dynamo already checked it (no aliasing, mutation or graph break)
             inner = fetch_attr(region.owner or gm, subgraph_attr(shared).target)
-            matches.append(OutlineMatch(region, _structural_key(inner), None, shared))
+            key = _structural_key(inner.graph, functools.partial(getattr, inner))
+            matches.append(OutlineMatch(region, key, None, shared))
             continue
         reason = _skip_reason(region)
-        key = () if reason else _structural_key(region.subgraph)
+        key = () if reason else _structural_key(region.body_graph, functools.partial(getattr, region.body_owner))
         matches.append(OutlineMatch(region, key, reason))
     return matches
 

@@ -1,0 +1,269 @@
+"""Plan a captured ``local_map`` call in plain Python instead of in Dynamo.
+
+:func:`localmap_fx.capture.call_captured` is traced by Dynamo, which runs
+every Python instruction of it symbolically, about a thousand times slower
+than Python itself.  The checks and the bookkeeping of a call (flattening
+the arguments, describing each one, planning redistributions, checking the
+outputs, working out their global shapes) need only the values' metadata,
+which Dynamo already holds as fake tensors.  So for the common call they
+run here, in real Python, at trace time, through ``comptime``:
+
+    before (traced by Dynamo, per call)       after
+    -------------------------------------     ---------------------------------
+    flat_args, spec = flatten_args(args)      comptime(plan_call)   # real Python
+    descs = tuple(describe(a) ...)            plan = taken()        # a constant
+    plan = _plan_inputs(descs, ...)
+    ... body ...                              ... body ...
+    flat_out, spec = tree_flatten(out)        comptime(plan_outputs)
+    _check_outputs(describe(o) ...)           shapes = taken()
+    output_global_shape(...) per output
+
+Measured on the 64-layer TP stack of issue #10 (fake group of 2), this cut
+Dynamo's share of a cold compile by about a third.
+
+Note: [Handing a value from comptime back to the trace]
+    A ``comptime`` function runs in real Python with the traced frame's
+    variables but cannot return into the trace.  It puts its result in a
+    one-entry slot that the very next traced statement takes through an
+    ``assume_constant_result`` function (:func:`taken`), so the value
+    enters the graph's Python as a constant.  Nothing runs in between, and a
+    restarted trace reruns the comptime first, so the slot is never stale.
+    A validation error found here is handed over the same way and raised by
+    :func:`taken`, with the type and text eager raises.
+
+Note: [Which calls are planned here]
+    Only calls whose arguments are all tensors or Python constants (no
+    pytree containers), whose ``in_placements`` is torch's flat form, whose
+    sizes are static, and whose body returns one tensor or a tuple of
+    tensors.  The guards are unchanged: the plan depends on the inputs'
+    placements, meshes and shapes, which Dynamo guards on (DTensor inputs
+    carry their spec in the tensor guard) or traces itself (intermediate
+    DTensors).  Every other call returns ``None`` here and takes the traced
+    path, which handles every form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import argtree, validate
+from .errors import compile_time
+from .graph_utils import node_value
+from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from .shapes import contiguous_stride, output_global_shape
+
+__all__ = ["plan_call", "plan_outputs", "taken"]
+
+_SLOT: list = []
+
+
+class _Raise:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _put(value: Any) -> None:
+    _SLOT[:] = [value]
+
+
+@torch._dynamo.assume_constant_result
+def taken() -> Any:
+    """The value the last comptime planner put in the slot (see the Note)."""
+    value = _SLOT.pop() if _SLOT else None
+    if isinstance(value, _Raise):
+        raise value.error
+    return value
+
+
+def _vt(ctx, name: str):
+    vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+    return vt.realize() if hasattr(vt, "realize") else vt
+
+
+def _static(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    shapes = [t.shape]
+    if isinstance(t, DTensor):
+        shapes.append(t._local_tensor.shape)
+    return all(isinstance(s, int) for shape in shapes for s in shape)
+
+
+def _values(vt) -> list | None:
+    """The real values (fake tensors, constants) of a tuple/list variable's
+    items, or None when one is neither."""
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    values = []
+    for item in getattr(vt, "items", None) or ():
+        item = item.realize() if hasattr(item, "realize") else item
+        if isinstance(item, TensorVariable):
+            v = node_value(item.as_proxy().node)
+            if not isinstance(v, torch.Tensor) or not _static(v):
+                return None
+            values.append(v)
+        elif type(item) is ConstantVariable and type(item.value) in (int, float, bool, str, type(None)):
+            values.append(item.value)
+        else:
+            return None
+    return values
+
+
+def _local_map(ctx):
+    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+    vt = _vt(ctx, "lm")
+    if type(vt) is not UserDefinedObjectVariable or getattr(vt, "source", None) is None:
+        return None  # built inside the traced code: its real object is not filled in
+    return vt.value
+
+
+def plan_call(ctx) -> None:
+    """comptime, before the region: the call's plan (see :func:`call_plan`),
+    or None (take the traced path).  Reads locals ``lm`` and ``args``."""
+    from torch._dynamo.variables.lists import TupleVariable
+
+    lm = _local_map(ctx)
+    args_vt = _vt(ctx, "args")
+    values = _values(args_vt) if lm is not None and type(args_vt) is TupleVariable else None
+    if values is None or argtree.wants_nested(lm.in_placements, len(values), len(values)):
+        _put(None)
+        return
+    try:
+        plan = call_plan(lm, values)
+    except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
+        _put(_Raise(compile_time(e)))
+        return
+    _put(plan)
+
+
+def compile_time_plan(lm, values: list) -> tuple:
+    """The traced path's input plan: per argument None or ``(target, grad)``."""
+    return tuple(
+        validate.plan_inputs(
+            tuple(validate.describe(v) for v in values),
+            lm.in_placements,
+            lm.in_grad_placements,
+            lm.redistribute_inputs,
+        )
+    )
+
+
+def call_plan(lm, values: list) -> tuple:
+    """``(enters, body annotation, spec, mesh_from)`` for the planned path.
+
+    ``enters`` has per argument None (passed through) or ``(target, grad,
+    annotation)``; the body annotation is None when no argument is a DTensor
+    (no region); ``mesh_from`` is the index of the argument whose mesh the
+    region uses, or None for ``device_mesh``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plan = compile_time_plan(lm, values)
+    notes = annotations_of(lm)
+    enters = tuple(None if step is None else (*step, notes.enter(idx)) for idx, step in enumerate(plan))
+    if all(step is None for step in plan):
+        return enters, None, None, None
+    mesh_from = None
+    if lm.device_mesh is None:
+        mesh_from = next(i for i, v in enumerate(values) if isinstance(v, DTensor))
+    return enters, notes.body, notes.spec, mesh_from
+
+
+class Annotations:
+    """The merged ``annotate`` dicts of one ``LocalMap``'s nodes: its spec plus
+    the role (and argument / output index).  One dict per node group instead
+    of three nested ``annotate`` contexts, each of which Dynamo traces."""
+
+    def __init__(self, spec_annotation: dict) -> None:
+        self.spec = spec_annotation[META_SPEC]
+        self.body = {**spec_annotation, **ROLE_BODY}
+        self._base = spec_annotation
+        self._enter: list[dict] = []
+        self._exit: list[dict] = []
+
+    def _indexed(self, cache: list[dict], role: dict, idx: int) -> dict:
+        while len(cache) <= idx:
+            cache.append({**self._base, **role, META_INDEX: len(cache)})
+        return cache[idx]
+
+    def enter(self, idx: int) -> dict:
+        return self._indexed(self._enter, ROLE_ENTER, idx)
+
+    def exit(self, idx: int) -> dict:
+        return self._indexed(self._exit, ROLE_EXIT, idx)
+
+
+def annotations_of(lm) -> Annotations:
+    """``lm``'s :class:`Annotations`, built on its first planned call."""
+    notes = lm._capture_annotations
+    if notes is None:
+        notes = lm._capture_annotations = Annotations(lm.spec_annotation)
+    return notes
+
+
+def plan_outputs(ctx) -> None:
+    """comptime, after the body: ``(single, per output (placements, global
+    shape or None, stride or None, annotation))``, or None (take the traced
+    path).  Reads locals ``lm``, ``args``, ``flat_local`` and ``out``."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    lm = _local_map(ctx)
+    out_vt = _vt(ctx, "out")
+    if isinstance(out_vt, TensorVariable):
+        outs = _values(_Items([out_vt]))
+        single = True
+    elif type(out_vt).__name__ == "TupleVariable":
+        outs = _values(out_vt)
+        single = False
+    else:
+        outs = None
+    args = _values(_vt(ctx, "args"))
+    locals_ = _values(_vt(ctx, "flat_local"))
+    if lm is None or outs is None or args is None or locals_ is None or any(
+        not isinstance(o, torch.Tensor) for o in outs
+    ):
+        _put(None)
+        return
+    try:
+        notes = annotations_of(lm)
+        exits: list[tuple] = []
+        for idx, (spec, (shape, uneven)) in enumerate(zip(lm.out_specs, output_shapes(lm, args, locals_, outs))):
+            if uneven:
+                exits.append((spec, shape, contiguous_stride(shape), notes.exit(idx)))
+            else:
+                exits.append((spec, None, None, notes.exit(idx)))
+        _put((single, tuple(exits)))
+    except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
+        _put(_Raise(compile_time(e)))
+
+
+class _Items:
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+
+def output_shapes(lm, args: list, locals_: list, outs: list) -> tuple:
+    """Check the outputs like the traced path and give each one's
+    ``(global shape, uneven)``."""
+    from torch.distributed.tensor import DTensor
+
+    plan = compile_time_plan(lm, args)  # cheap in Python; succeeded before the body
+    mesh = lm.device_mesh
+    if mesh is None:
+        mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
+    validate.check_outputs(tuple(validate.describe(o) for o in outs), lm.out_specs, mesh.ndim)
+    in_shapes = []
+    for arg, step, local in zip(args, plan, locals_):
+        if step is None:
+            continue
+        target = step[0]
+        placements = tuple(target) if target is not None else tuple(arg.placements)
+        in_shapes.append((placements, tuple(arg.shape), tuple(local.shape)))
+    return tuple(
+        output_global_shape(tuple(o.shape), tuple(spec), tuple(mesh.shape), in_shapes)
+        for o, spec in zip(outs, lm.out_specs)
+    )
