@@ -278,16 +278,19 @@ class Described:
         ndim: int | None = None,
         value: Any = None,
         mesh_ndim: int | None = None,
+        mesh: str | None = None,
     ):
         self.kind = kind
         self.placements = placements
         self.ndim = ndim
         self.value = value
         self.mesh_ndim = mesh_ndim
+        self.mesh = mesh
 
     def __str__(self) -> str:
         if self.kind == "dtensor":
-            return f"DTensor(ndim={self.ndim}, placements={self.placements})"
+            mesh = "" if self.mesh is None else f", device_mesh={self.mesh}"
+            return f"DTensor(ndim={self.ndim}, placements={self.placements}{mesh})"
         if self.kind == "tensor":
             return f"Tensor(ndim={self.ndim})"
         if self.kind == "value":
@@ -299,10 +302,18 @@ class Described:
     __repr__ = __str__
 
 
+def mesh_text(mesh: Any) -> str:
+    """``DeviceMesh((dp=2, tp=2), 'cpu')``: a mesh as messages name it."""
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    dims = ", ".join(f"{n}={k}" for n, k in zip(names, mesh.shape))
+    return f"DeviceMesh(({dims}), {mesh.device_type!r})"
+
+
 def describe(x: Any) -> tuple:
-    """A constant description of ``x`` (Dynamo passes it to real Python; see the Note above)."""
+    """A constant description of ``x``, made in real Python (eager, or capture's
+    comptime planner); DTensors name their mesh, as eager messages do."""
     if isinstance(x, DTensor):
-        return ("dtensor", x.placements, x.ndim, len(x.placements))
+        return ("dtensor", x.placements, x.ndim, len(x.placements), mesh_text(x.device_mesh))
     if isinstance(x, torch.Tensor):
         return ("tensor", x.ndim)
     if isinstance(x, (int, float, bool, str, type(None))):
@@ -318,7 +329,10 @@ def describe_traced(x: Any) -> tuple:
     cannot take as an argument, and Dynamo reports a ``SymInt`` as an
     ``int`` to ``isinstance``/``type``, so no traced test tells the two
     apart.  The checks only need the kind; messages name the type instead.
+    A DTensor's mesh is not named either: Dynamo cannot build that string.
     """
+    if isinstance(x, DTensor):
+        return ("dtensor", x.placements, x.ndim, len(x.placements), None)
     if isinstance(x, torch.Tensor) or type(x) in (str, type(None)):
         return describe(x)
     if isinstance(x, (int, float, bool)):
@@ -330,7 +344,7 @@ def described(desc: tuple) -> Described:
     """A :class:`Described` from a :func:`describe` tuple."""
     kind = desc[0]
     if kind == "dtensor":
-        return Described("dtensor", tuple(desc[1]), desc[2], mesh_ndim=desc[3])
+        return Described("dtensor", tuple(desc[1]), desc[2], mesh_ndim=desc[3], mesh=desc[4])
     if kind == "tensor":
         return Described("tensor", ndim=desc[1])
     return Described(kind, value=desc[1])

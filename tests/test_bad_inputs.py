@@ -191,3 +191,16 @@ def test_compiled_error(case):
     assert err is not None
     assert isinstance(err, type(eager)), (type(err), err)
     assert case.names in str(err)
+
+
+def test_dtensor_on_another_mesh_is_named_in_both_modes():
+    """An argument on a 2-D mesh given to a region on a 1-D ``device_mesh``:
+    the compiled error names the argument's mesh, as eager's does."""
+    x = distribute_tensor(torch.randn(8, 4), mesh_2d(), [Shard(0), Shard(0)])
+    fn = localmap_fx.local_map(lambda a: a * 2, [Shard(0)], ([Shard(0)],), device_mesh=mesh_1d())
+    eager = _raise_of(fn, (x,))
+    compiled = _raise_of(torch.compile(lambda a: fn(a), backend=localmap_fx.backend("aot_eager"), fullgraph=True), (x,))
+    assert isinstance(eager, ValueError) and isinstance(compiled, ValueError)
+    for err in (eager, compiled):
+        assert "DeviceMesh((dp=2, tp=2), 'cpu'" in str(err), err
+        assert "in_placements[0]" in str(err)
