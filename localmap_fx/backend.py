@@ -234,9 +234,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     try:
         plan = find_layer_spans(gm)
     except KeyError as e:
-        # TODO(issue #10): find_regions cannot regroup some inlined shared
-        # bodies (tests/test_reuse.py, calls differing in placements); the
-        # inlined graph is valid, so compile it whole.
+        # A safety net, no known case: find_regions once failed to regroup
+        # inlined shared bodies (fixed: size arithmetic and pass-through
+        # exits in region.py, nested regions skipped by find_layer_spans);
+        # the inlined graph is valid, so compile it whole and say why.
         plan = LayerPlan(0, 0, (), f"regions not recoverable after inlining ({e!r})")
     why_whole = layer_sharing_decision(plan, opts.share_layers)
     if why_whole is not None:

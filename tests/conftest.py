@@ -72,3 +72,4 @@ def waited_collectives():
 
     with waiting_collectives():
         yield
+

@@ -156,7 +156,7 @@ def test_finder_without_repeats_says_why():
     mesh = mesh_1d()
     x, ws, bs = _state(mesh, 1)
     plan = find_layer_spans(_capture(_step(_layer_fn(mesh)), x, ws, bs))
-    assert plan.spans == () and plan.reason == "fewer than 2 local_map regions"
+    assert plan.spans == () and plan.reason == "fewer than 2 local_map regions in the root graph"
 
 
 @pytest.mark.parametrize(

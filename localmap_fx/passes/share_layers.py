@@ -327,9 +327,11 @@ def _reads_placeholder(n: fx.Node) -> bool:
 
 def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     """Find the repeated layers of ``gm`` (read-only).  See Note: [Layer spans and their key]."""
-    regions = find_regions(gm)
+    # layers are runs of the root graph; regions inside a nested subgraph
+    # (a checkpointed block) travel with the higher-order op that holds them
+    regions = [r for r in find_regions(gm) if not r.scope]
     if len(regions) < 2:
-        return LayerPlan(0, 0, (), "fewer than 2 local_map regions")
+        return LayerPlan(0, 0, (), "fewer than 2 local_map regions in the root graph")
     best = _best_period([_region_kind(r.spec) for r in regions])
     if best is None:
         return LayerPlan(0, 0, (), "the sequence of regions does not repeat")
