@@ -304,7 +304,17 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
     cur: list[fx.Node] = []
     cur_ann: dict | None = None
     last_role = None
+    symbolic: set[fx.Node] = set()
     for node in gm.graph.nodes:
+        if _symbolic_only(node, symbolic):
+            # Note: [Size arithmetic is not part of a region]
+            #     With dynamic shapes Dynamo emits scalar arithmetic on the
+            #     shape symbols (``s0 * 4``, ``s0 // 2``) wherever a size is
+            #     needed, annotated or not, and reuses one such node in later
+            #     calls (two layers' bodies read the same ``mul``).  It depends
+            #     on nothing but symbols, so it stays outside every region:
+            #     bodies take it as an input and no call owns it.
+            continue
         role = role_of(node)
         if role is None and META_REGION not in node.meta:
             if node.op in ("placeholder", "get_attr"):
@@ -316,8 +326,10 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
                 cur.append(node)
                 continue
             if cur and graph_utils.is_size_computation(node):
-                # Dynamo's unannotated size arithmetic (dynamic shapes) may
-                # sit between a call's nodes; it stays outside the region
+                # an unannotated size of a tensor between a call's nodes: part
+                # of the body when it reads the call's tensors, else outside
+                if any(a in cur for a in node.all_input_nodes):
+                    cur.append(node)
                 continue
             if cur:
                 runs.append((cur_ann, cur))
@@ -345,6 +357,18 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
     if cur:
         runs.append((cur_ann, cur))
     return runs
+
+
+def _symbolic_only(node: fx.Node, symbolic: set[fx.Node]) -> bool:
+    """Whether ``node`` is size arithmetic on shape symbols alone (see the
+    Note in :func:`_group_runs`); ``symbolic`` holds those found so far."""
+    if not graph_utils.is_size_computation(node):
+        return False
+    if all(a in symbolic or (a.op == "placeholder" and not isinstance(node_value(a), torch.Tensor))
+           for a in node.all_input_nodes):
+        symbolic.add(node)
+        return True
+    return False
 
 
 def _local_of_enter(enter: list[fx.Node], idx: int) -> fx.Node | None:

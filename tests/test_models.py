@@ -216,7 +216,8 @@ def _compiled_ranks(rank, world_size, device, dump_root):
         # symbolic graph for automatic dynamic; one symbolic for mark_dynamic)
         for mode, inner in (("mark_dynamic", "aot_eager"), ("automatic", "aot_eager"), ("mark_dynamic", "inductor")):
             torch._dynamo.reset()
-            m = _build(which, mesh, cfg={"n_layers": 1})
+            # 2 layers: Dynamo shares shape symbols between the layers' regions
+            m = _build(which, mesh, cfg={"n_layers": 2})
             graphs: list = []
             be = localmap_fx.backend(inner)
 
@@ -576,3 +577,27 @@ def test_config_that_does_not_fit_the_mesh(mesh1d):
     # tp = 4 does not divide 2 kv heads
     with pytest.raises(ValueError, match="n_kv_heads=2 is not a multiple of the tp size 4"):
         Llama(LlamaConfig(), mesh1d)
+
+
+def test_dynamic_shapes_keep_region_bodies_inline(fake_pg):
+    """Two MoE layers with a symbolic sequence length: the layers' bodies read
+    the same shape-symbol arithmetic, so outline_regions keeps them inline
+    (with the reason) instead of outlining one owner of it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from localmap_fx.passes.outline_regions import find_outline_matches
+    from localmap_fx.testing.graphs import Recorder
+    from localmap_fx.testing.moe import MoE, MoEConfig
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    m = MoE(MoEConfig(n_layers=2), mesh)
+    rec = Recorder("aot_eager")
+    fn = torch.compile(m, backend=rec.backend, fullgraph=True)
+    tokens, targets = m.make_inputs(4, 16)
+    torch._dynamo.mark_dynamic(tokens, 1)
+    torch._dynamo.mark_dynamic(targets, 1)
+    _loss(fn(tokens, targets)).backward()
+    reasons = {mt.skip_reason for mt in find_outline_matches(rec.stage("captured"))}
+    assert "symbolic sizes (dynamic shapes)" in reasons, reasons
+    outlined = rec.stage("outline_regions")
+    assert not outlined.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)

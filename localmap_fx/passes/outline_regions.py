@@ -104,6 +104,12 @@ def _structural_key(graph: fx.Graph, attr: Callable[[str], Any]) -> tuple:
     return tuple(parts)
 
 
+def _symbolic(v: object) -> bool:
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride()))
+
+
 def _skip_reason(region: Region) -> str | None:
     if region.scope:
         # the body would have to live in that subgraph's module: keep it
@@ -112,6 +118,10 @@ def _skip_reason(region: Region) -> str | None:
     if not region.body_nodes:
         return "empty body"
     inputs = [i.node for i in region.inputs]
+    if any(_symbolic(_val(n)) for n in (*inputs, *region.outputs)):
+        # as with reuse and layer sharing: Dynamo shares shape symbols and
+        # their arithmetic between calls, which an outlined body would own
+        return "symbolic sizes (dynamic shapes)"
     in_storages: dict[object, str] = {}
     for n in inputs:
         v = _val(n)
