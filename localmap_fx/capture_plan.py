@@ -18,8 +18,8 @@ run here, in real Python, at trace time, through ``comptime``:
     _check_outputs(describe(o) ...)           shapes = taken()
     output_global_shape(...) per output
 
-Measured on the 64-layer TP stack of issue #10 (fake group of 2), this cut
-Dynamo's share of a cold compile by about a third.
+Measured on the 64-layer TP stack of issue #10 (fake group of 2), this and
+the short traced path below halved Dynamo's time (5.0 s -> 2.4 s).
 
 Note: [Handing a value from comptime back to the trace]
     A ``comptime`` function runs in real Python with the traced frame's
@@ -30,6 +30,16 @@ Note: [Handing a value from comptime back to the trace]
     restarted trace reruns the comptime first, so the slot is never stale.
     A validation error found here is handed over the same way and raised by
     :func:`taken`, with the type and text eager raises.
+
+Note: [Why the planned path is short]
+    Dynamo's cost per traced Python instruction is tens of microseconds,
+    and the planned path runs once per region call (128 times in a 64-layer
+    TP stack).  So what it traces is only what must become graph nodes:
+    ``redistribute``/``to_local`` per argument, the body, ``from_local`` per
+    output, each group under one ``annotate`` whose dict
+    (:class:`Annotations`) was merged once per ``LocalMap`` instead of three
+    nested ``annotate`` contexts per node group; no helper calls, no
+    ``enumerate``.  On that stack this took Dynamo from 5.0 s to about 2.4 s.
 
 Note: [Which calls are planned here]
     Only calls whose arguments are all tensors or Python constants (no
