@@ -54,6 +54,7 @@ Note: [Which calls are planned here]
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -74,8 +75,26 @@ class _Raise:
         self.error = error
 
 
+# Note: [Constants handed to the trace are private copies]
+#     A placement handed to the trace that is also reachable from user code
+#     (``lm.out_specs``, a module-level ``Shard(0)``) makes Dynamo guard on
+#     two sources of one object, one of them this constant, which has no
+#     source it can evaluate (``NameError: name 'taken' is not defined``).
+#     So every value is a deep copy, made once per distinct value (by its
+#     text) and reused, so that repeated calls cost a ``repr``, not a copy.
+_COPIES: dict[str, Any] = {}
+
+
+def _private(value: Any) -> Any:
+    key = repr(value)
+    copied = _COPIES.get(key)
+    if copied is None:
+        copied = _COPIES[key] = copy.deepcopy(value)
+    return copied
+
+
 def _put(value: Any) -> None:
-    _SLOT[:] = [value]
+    _SLOT[:] = [value if isinstance(value, _Raise) or value is None else _private(value)]
 
 
 @torch._dynamo.assume_constant_result

@@ -11,7 +11,9 @@ on the same mesh dimension whose local size matches the output's: the body
 kept that dimension, so its global size is the input's.  When no input
 matches, the even assumption stands (it is then exact for even inputs).  The
 rule only reads sizes the rank already has, so it works identically in eager
-and under torch.compile (where sizes are known at trace time).
+and under torch.compile (where sizes are known at trace time, or symbolic:
+a data-dependent size that cannot be compared without a guard matches no
+input).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
 __all__ = ["InputShape", "output_global_shape", "contiguous_stride"]
 
@@ -61,10 +64,12 @@ def output_global_shape(
                 if sum(1 for q in in_placements if isinstance(q, Shard) and q.dim == p.dim) != 1:
                     continue
                 d_in = p.dim % len(in_global)
-                if in_local[d_in] == local_shape[d]:
+                # data-dependent sizes (an all_to_all with .tolist() splits)
+                # cannot be compared: no match, the even assumption stands
+                if guard_or_false(in_local[d_in] == local_shape[d]):
                     size = in_global[d_in]
                     break
-        if size != even:
+        if not guard_or_true(size == even):
             uneven = True
         out.append(size)
     return tuple(out), uneven

@@ -310,3 +310,31 @@ def test_size_arithmetic_between_region_nodes_stays_outside():
     assert [i.kind for i in region.inputs][:2] == ["arg", "arg"]
     assert len(region.outputs) == 1
     assert len(localmap_fx.find_regions(rec.stage("fuse_boundaries"))) == 1
+
+
+def test_data_dependent_all_to_all_inside_a_region():
+    """MoE-style dispatch inside the body: split sizes from ``.tolist()``
+    (capture_scalar_outputs) make the output's size data-dependent; the region
+    compiles, is found, and its output keeps the even-sharding global shape."""
+    import torch.distributed._functional_collectives as funcol
+
+    mesh = mesh_1d()
+
+    def dispatch(x, splits):
+        sizes = splits.tolist()
+        out = funcol.all_to_all_single(x, sizes, sizes, (mesh, 0))
+        return funcol.all_to_all_single(out * 3, sizes, sizes, (mesh, 0))
+
+    lm = localmap_fx.local_map(dispatch, [Shard(0)], ([Shard(0)], [Replicate()]), device_mesh=mesh)
+    x = distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]).requires_grad_()
+    splits = distribute_tensor(torch.ones(WORLD_SIZE, dtype=torch.int64), mesh, [Replicate()])
+    rec = Recorder("aot_eager")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(lambda x, s: lm(x, s), backend=rec.backend, fullgraph=True)(x, splits)
+        out.to_local().sum().backward()
+    want = lm(x, splits)
+    assert out.placements == want.placements and out.shape == want.shape
+    assert torch.equal(out.to_local(), want.to_local())
+    (region,) = localmap_fx.find_regions(rec.stage("captured"))
+    targets = {str(n.target) for n in region.body_nodes}
+    assert any("all_to_all_single" in t for t in targets), targets
