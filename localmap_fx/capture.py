@@ -47,7 +47,7 @@ from .capture_plan import plan_call, plan_outputs, taken
 from .errors import compile_time
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from .reuse import run_body
-from .shapes import contiguous_stride, output_global_shape
+from .shapes import contiguous_stride, input_shapes, output_global_shape
 
 if TYPE_CHECKING:
     from .api import LocalMap
@@ -119,7 +119,7 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
     comptime(plan_outputs)
     exits = taken()
     if exits is None:
-        return _exit_traced(lm, lm.spec_annotation, out, mesh, _input_shapes(args, enters, flat_local))
+        return _exit_traced(lm, lm.spec_annotation, out, mesh, input_shapes(args, enters, flat_local))
     single, exits = exits
     outs = (out,) if single else out
     flat_dist = []
@@ -183,7 +183,7 @@ def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     with annotate(annotation), annotate(_BODY):
         # repeated calls of one region key are traced once (localmap_fx.reuse)
         out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
-    return _exit_traced(lm, annotation, out, mesh, _input_shapes(flat_args, plan, flat_local))
+    return _exit_traced(lm, annotation, out, mesh, input_shapes(flat_args, plan, flat_local))
 
 
 def _enter(arg: DTensor, step: tuple, annotation: dict, idx: int) -> torch.Tensor:
@@ -196,18 +196,6 @@ def _enter(arg: DTensor, step: tuple, annotation: dict, idx: int) -> torch.Tenso
         if isinstance(local, AsyncCollectiveTensor):
             local = local.wait()
     return local
-
-
-def _input_shapes(flat_args: Any, plan: tuple, flat_local: list) -> list:
-    """``(placements, global shape, local shape)`` of each DTensor argument as
-    the body saw it, for the outputs' global shapes."""
-    shapes = []
-    for arg, step, local in zip(flat_args, plan, flat_local):
-        if step is None:
-            continue
-        placements = tuple(step[0]) if step[0] is not None else arg.placements
-        shapes.append((placements, tuple(arg.shape), tuple(local.shape)))
-    return shapes
 
 
 def _exit(o: torch.Tensor, mesh: Any, spec: Any, shape: tuple, uneven: bool, annotation: dict, idx: int) -> DTensor:

@@ -63,7 +63,7 @@ from . import argtree, validate
 from .errors import compile_time
 from .graph_utils import node_value
 from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
-from .shapes import contiguous_stride, output_global_shape
+from .shapes import contiguous_stride, input_shapes, output_global_shape
 
 __all__ = ["plan_call", "plan_outputs", "taken"]
 
@@ -189,17 +189,22 @@ def call_plan(lm, values: list) -> tuple:
     (no region); ``mesh_from`` is the index of the argument whose mesh the
     region uses, or None for ``device_mesh``.
     """
-    from torch.distributed.tensor import DTensor
-
     plan = compile_time_plan(lm, values)
     notes = annotations_of(lm)
     enters = tuple(None if step is None else (*step, notes.enter(idx)) for idx, step in enumerate(plan))
     if all(step is None for step in plan):
         return enters, None, None, None
-    mesh_from = None
-    if lm.device_mesh is None:
-        mesh_from = next(i for i, v in enumerate(values) if isinstance(v, DTensor))
-    return enters, notes.body, notes.spec, mesh_from
+    return enters, notes.body, notes.spec, _mesh_from(lm, values)
+
+
+def _mesh_from(lm, values: list) -> int | None:
+    """Index of the argument whose mesh the region uses (the first DTensor),
+    or None when ``device_mesh`` is given."""
+    from torch.distributed.tensor import DTensor
+
+    if lm.device_mesh is not None:
+        return None
+    return next(i for i, v in enumerate(values) if isinstance(v, DTensor))
 
 
 class Annotations:
@@ -257,10 +262,13 @@ def plan_outputs(ctx) -> None:
     ):
         _put(None)
         return
+    # the input plan plan_call made for this call (a constant in the frame)
+    enters = _vt(ctx, "enters").as_python_constant()
     try:
         notes = annotations_of(lm)
         exits: list[tuple] = []
-        for idx, (spec, (shape, uneven)) in enumerate(zip(lm.out_specs, output_shapes(lm, args, locals_, outs))):
+        shapes = output_shapes(lm, args, input_shapes(args, enters, locals_), outs)
+        for idx, (spec, (shape, uneven)) in enumerate(zip(lm.out_specs, shapes)):
             if uneven:
                 exits.append((spec, shape, contiguous_stride(shape), notes.exit(idx)))
             else:
@@ -275,23 +283,12 @@ class _Items:
         self.items = items
 
 
-def output_shapes(lm, args: list, locals_: list, outs: list) -> tuple:
+def output_shapes(lm, args: list, in_shapes: list, outs: list) -> tuple:
     """Check the outputs like the traced path and give each one's
     ``(global shape, uneven)``."""
-    from torch.distributed.tensor import DTensor
-
-    plan = compile_time_plan(lm, args)  # cheap in Python; succeeded before the body
-    mesh = lm.device_mesh
-    if mesh is None:
-        mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
+    i = _mesh_from(lm, args)
+    mesh = lm.device_mesh if i is None else args[i].device_mesh
     validate.check_outputs(tuple(validate.describe(o) for o in outs), lm.out_specs, mesh.ndim)
-    in_shapes = []
-    for arg, step, local in zip(args, plan, locals_):
-        if step is None:
-            continue
-        target = step[0]
-        placements = tuple(target) if target is not None else tuple(arg.placements)
-        in_shapes.append((placements, tuple(arg.shape), tuple(local.shape)))
     return tuple(
         output_global_shape(tuple(o.shape), tuple(spec), tuple(mesh.shape), in_shapes)
         for o, spec in zip(outs, lm.out_specs)

@@ -67,18 +67,29 @@ def node_value(node: Any) -> Any:
     return val if val is not None else meta.get("val")
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def is_symbolic(value: Any) -> bool:
+    """A symbolic scalar, or a tensor with a symbolic size or stride."""
+    if isinstance(value, _SYMBOLIC):
+        return True
+    return isinstance(value, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())
+    )
+
+
 def is_size_computation(node: fx.Node) -> bool:
     """Whether ``node`` computes a (symbolic) scalar, e.g. ``sym_size`` or
     ``s0 // 2``: Dynamo emits these unannotated wherever a size is needed."""
     if node.op not in ("call_function", "call_method"):
         return False
     value = node_value(node)
-    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
     if isinstance(value, (tuple, list)):  # x.size(), torch.Size
-        return bool(value) and all(isinstance(v, (int, *symbolic)) for v in value) and any(
-            isinstance(v, symbolic) for v in value
+        return bool(value) and all(isinstance(v, (int, *_SYMBOLIC)) for v in value) and any(
+            isinstance(v, _SYMBOLIC) for v in value
         )
-    return isinstance(value, symbolic)
+    return isinstance(value, _SYMBOLIC)
 
 
 def custom_meta(node: fx.Node) -> dict:

@@ -23,11 +23,27 @@ from collections.abc import Sequence
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
-__all__ = ["InputShape", "output_global_shape", "contiguous_stride"]
+__all__ = ["InputShape", "input_shapes", "output_global_shape", "contiguous_stride"]
 
 # (placements, global shape, local shape) of one DTensor argument, after any
 # redistribution.
 InputShape = tuple[tuple[Placement, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def input_shapes(args: Sequence, plan: Sequence, locals_: Sequence) -> list[InputShape]:
+    """:data:`InputShape` of each DTensor argument as the body saw it.
+
+    ``plan`` has per argument None (not a DTensor) or a step whose first
+    entry is the redistribution target (None: the argument's own placements);
+    ``locals_`` are the tensors the body received.
+    """
+    shapes = []
+    for arg, step, local in zip(args, plan, locals_):
+        if step is None:
+            continue
+        placements = tuple(step[0]) if step[0] is not None else tuple(arg.placements)
+        shapes.append((placements, tuple(arg.shape), tuple(local.shape)))
+    return shapes
 
 
 def _even_size(local: int, mesh_shape: Sequence[int], mesh_dims: Sequence[int]) -> int:

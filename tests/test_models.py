@@ -82,6 +82,16 @@ def _step_on(model, fn, tokens, targets):
     return loss.to_local().clone(), grads, (tokens, targets)
 
 
+def _seq_inputs(model, seq, mode):
+    """Batch-4 inputs of length ``seq``; ``mark_dynamic`` on the sequence
+    dimension in that mode (``automatic`` leaves it to Dynamo)."""
+    tokens, targets = model.make_inputs(4, seq)
+    if mode == "mark_dynamic":
+        torch._dynamo.mark_dynamic(tokens, 1)
+        torch._dynamo.mark_dynamic(targets, 1)
+    return tokens, targets
+
+
 def _bitwise(a, b) -> bool:
     return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
@@ -204,10 +214,7 @@ def _compiled_ranks(rank, world_size, device, dump_root):
             fn = torch.compile(m, backend="aot_eager", fullgraph=True)
             ok = []
             for seq in (8, 12, 16):
-                tokens, targets = m.make_inputs(4, seq)
-                if mode == "mark_dynamic":
-                    torch._dynamo.mark_dynamic(tokens, 1)
-                    torch._dynamo.mark_dynamic(targets, 1)
+                tokens, targets = _seq_inputs(m, seq, mode)
                 ok.append(torch.equal(_loss(fn(tokens, targets)).to_local(), _loss(m(tokens, targets)).to_local()))
             report[(which, f"upstream {mode}")] = ok
 
@@ -228,10 +235,7 @@ def _compiled_ranks(rank, world_size, device, dump_root):
             fn = torch.compile(m, backend=counting, fullgraph=True)
             errs = []
             for seq in (8, 12, 16):
-                tokens, targets = m.make_inputs(4, seq)
-                if mode == "mark_dynamic":
-                    torch._dynamo.mark_dynamic(tokens, 1)
-                    torch._dynamo.mark_dynamic(targets, 1)
+                tokens, targets = _seq_inputs(m, seq, mode)
                 got = _step_on(m, fn, tokens, targets)
                 want = _step_on(m, None, tokens, targets)
                 errs.append(0.0 if _bitwise(got, want) else _max_rel(got, want))

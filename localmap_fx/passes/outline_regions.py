@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._python_dispatch
 
-from ..graph_utils import fetch_attr, getitem_users, subgraph_attr
+from ..graph_utils import fetch_attr, getitem_users, is_symbolic, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
 from .inline_shared_bodies import inline_nested_shared_bodies
@@ -104,12 +104,6 @@ def _structural_key(graph: fx.Graph, attr: Callable[[str], Any]) -> tuple:
     return tuple(parts)
 
 
-def _symbolic(v: object) -> bool:
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride()))
-
-
 def _skip_reason(region: Region) -> str | None:
     if region.scope:
         # the body would have to live in that subgraph's module: keep it
@@ -118,7 +112,7 @@ def _skip_reason(region: Region) -> str | None:
     if not region.body_nodes:
         return "empty body"
     inputs = [i.node for i in region.inputs]
-    if any(_symbolic(_val(n)) for n in (*inputs, *region.outputs)):
+    if any(is_symbolic(_val(n)) for n in (*inputs, *region.outputs)):
         # as with reuse and layer sharing: Dynamo shares shape symbols and
         # their arithmetic between calls, which an outlined body would own
         return "symbolic sizes (dynamic shapes)"
