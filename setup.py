@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.11",
     install_requires=["torch==2.14.1", "spmd-types==0.3.1"],
     entry_points={
-        "torch_dynamo_backends": ["localmap_fx = localmap_fx.backend:localmap_fx_backend"],
+        "torch_dynamo_backends": ["localmap_fx = localmap_fx.compiler:localmap_fx_backend"],
         "console_scripts": ["localmap-fx = localmap_fx.debug.cli:main"],
         # torch calls these during `import torch`, before it parses TORCH_LOGS.
         "torch.backends": ["localmap_fx_logs = _localmap_fx_logs:register"],

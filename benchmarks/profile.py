@@ -75,7 +75,7 @@ def main() -> int:
         import spmd_types as spmd
         from spmd_types._checker import typecheck
 
-        from localmap_fx import spmd as lspmd
+        from localmap_fx.spmd import types as lspmd
 
         types = lspmd.placements_to_spmd_type((Replicate(),), tuple(P), mesh)
         types_w = lspmd.placements_to_spmd_type((Shard(1),), tuple(S), mesh)

@@ -44,7 +44,7 @@ _CASES = {
     "torch": ("", "import torch"),
     "localmap_fx": ("import torch", "import localmap_fx"),
     "local_map": ("import torch", "from localmap_fx import local_map"),
-    "backend": ("import torch", "from localmap_fx import backend; import localmap_fx.backend"),
+    "backend": ("import torch", "from localmap_fx import backend; import localmap_fx.compiler"),
     "dtensor": ("import torch", "import torch.distributed.tensor"),
 }
 

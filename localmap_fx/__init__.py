@@ -1,7 +1,8 @@
 """localmap_fx: per-shard code in DTensor programs, eager and compiled.
 
 Pipeline: capture (:mod:`.capture`) -> region IR (:mod:`.region`) ->
-passes (:mod:`.passes`, :mod:`.lowering`) -> backend (:mod:`.backend`).
+passes (:mod:`.passes`, :mod:`.lowering`; SPMD checks in :mod:`.spmd`) ->
+compiler (:mod:`.compiler`; its stages in :mod:`.compiler.pipeline`).
 
 Note: [Lazy public names]
     ``import localmap_fx`` imports no submodule: each public name is loaded
@@ -14,16 +15,14 @@ Note: [Lazy public names]
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .api import LocalMap, local_map
-    from .backend import BackendOptions, backend
+    from .capture.reuse import region_reuse
+    from .compiler import BackendOptions, backend
     from .lowering import lower
     from .region import Region, RegionSpec, find_regions
-    from .reuse import region_reuse
 
 __all__ = [
     "local_map",
@@ -42,13 +41,13 @@ __version__ = "0.1.0"
 _HOME = {
     "local_map": "api",
     "LocalMap": "api",
-    "backend": "backend",
-    "BackendOptions": "backend",
+    "backend": "compiler",
+    "BackendOptions": "compiler",
     "find_regions": "region",
     "lower": "lowering",
     "Region": "region",
     "RegionSpec": "region",
-    "region_reuse": "reuse",
+    "region_reuse": "capture.reuse",
 }
 
 
@@ -65,20 +64,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    """This package; importing the submodule ``localmap_fx.backend`` must not
-    replace the public function ``localmap_fx.backend`` (Python binds each
-    imported submodule as an attribute of its package)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "backend" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def _register_backend() -> None:
     # After `pip install` the "torch_dynamo_backends" entry point provides the
     # name "localmap_fx" (Dynamo loads it on first lookup); from a source
@@ -90,7 +75,7 @@ def _register_backend() -> None:
         return
     from torch._dynamo.backends import registry
 
-    from .backend import localmap_fx_backend
+    from .compiler import localmap_fx_backend
 
     if "localmap_fx" not in registry._BACKENDS:
         registry.register_backend(name="localmap_fx")(localmap_fx_backend)

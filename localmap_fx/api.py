@@ -3,7 +3,7 @@
 Same signature, call forms and results as torch 2.14.1's
 ``torch.distributed.tensor.experimental.local_map``.  In eager mode a call runs
 the fallback in :mod:`localmap_fx.eager`; under ``torch.compile`` it is
-captured as one region (:mod:`localmap_fx.capture`).
+captured as one region (:mod:`localmap_fx.capture.call`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class LocalMap:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            from .capture import call_captured
+            from .capture.call import call_captured
 
             return call_captured(self, args, kwargs)
         if self.param_names is not None or _maybe_nested(self.in_placements, args):
@@ -140,7 +140,7 @@ class LocalMap:
 
 
 def _register_body(func: Callable) -> int | None:
-    from .lowering.functions import register_body
+    from .spmd.functions import register_body
 
     return register_body(func)
 

@@ -115,11 +115,11 @@ class EagerPlan:
         self.known_layouts: dict = {}
 
     def spmd_plan(self, lm: LocalMap, mesh):
-        """The cached :class:`localmap_fx.spmd.SpmdPlan` for ``mesh``."""
+        """The cached :class:`localmap_fx.spmd.types.SpmdPlan` for ``mesh``."""
         plan = self.spmd_cache.get(mesh)
         if plan is not None:
             return plan
-        from . import spmd
+        from .spmd import types as spmd
 
         return self.spmd_cache.set(mesh, spmd.SpmdPlan(mesh))
 
@@ -219,7 +219,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             else:
                 grad = None
             if grad is None and lm.spmd_types:
-                from .spmd import typed_in_grad_placements  # R -> Partial, see there
+                from .spmd.types import typed_in_grad_placements  # R -> Partial, see there
 
                 grad = typed_in_grad_placements(arg.placements)
             # arg.to_local(grad_placements=grad), see Note: [Eager fast path]
@@ -247,7 +247,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
 
     if lm.spmd_types and seen_dtensor:
         validate.check_spmd_types_available()
-        from . import spmd  # imported with spmd_types only when used
+        from .spmd import types as spmd  # imported with spmd_types only when used
 
         splan = plan.spmd_plan(lm, mesh)
         try:
@@ -304,7 +304,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
         try:
             grad_specs = plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, out_specs)
         except ValueError as e:
-            from . import spmd
+            from .spmd import types as spmd
 
             raise spmd.explain(e, mesh) from None
 

@@ -222,7 +222,7 @@ _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?![ \t]*File 
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 # Frames of these files sit between the user's call and the region's body.
-WRAPPER_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in ("api.py", "capture.py"))
+WRAPPER_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in ("api.py", os.path.join("capture", "call.py")))
 
 
 def stack_frames(trace: str | None) -> list[Frame]:
@@ -231,7 +231,7 @@ def stack_frames(trace: str | None) -> list[Frame]:
 
 
 def is_wrapper_frame(frame: Frame) -> bool:
-    """A frame of localmap_fx's own call of a region (``api.py`` / ``capture.py``)."""
+    """A frame of localmap_fx's own call of a region (``api.py`` / ``capture/call.py``)."""
     return os.path.abspath(frame.file) in WRAPPER_FILES
 
 

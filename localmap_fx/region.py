@@ -2,7 +2,7 @@
 
 A *region* is one call of a ``local_map`` function inside a captured graph.
 In the graph a backend receives it is a run of annotated nodes (see
-:mod:`localmap_fx.capture`)::
+:mod:`localmap_fx.capture.call`)::
 
     enter   redistribute / to_local of each DTensor argument   (role "enter")
     body    the user's function at local shapes                 (role "body")
@@ -129,7 +129,7 @@ def spec_annotation(
             "redistribute_inputs": bool(redistribute_inputs),
             "spmd_types": bool(spmd_types),
             "has_mesh": device_mesh is not None,
-            # spmd_types=True: finds the body at compile time (lowering.functions)
+            # spmd_types=True: finds the body at compile time (spmd.functions)
             "body": body_key,
         }
     }
@@ -537,7 +537,7 @@ def shared_body_call(region: Region) -> fx.Node | None:
     """The ``invoke_subgraph`` node when the body is exactly one Dynamo-made call.
 
     (Plus its ``get_attr`` and ``getitem`` nodes.)  Capture makes such bodies
-    for repeated calls (:mod:`localmap_fx.reuse`).
+    for repeated calls (:mod:`localmap_fx.capture.reuse`).
     """
     if region.outlined:
         return None

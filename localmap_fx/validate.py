@@ -3,7 +3,7 @@
 Every check here reproduces the exception type and text that torch 2.14.1's
 ``local_map`` raises for the same call, then appends a hint that says how to
 fix the call.  The eager fallback (:mod:`localmap_fx.eager`) and capture
-(:mod:`localmap_fx.capture`) both call these functions, so a bad call fails the
+(:mod:`localmap_fx.capture.call`) both call these functions, so a bad call fails the
 same way whether or not it runs under ``torch.compile``.
 
 Note: [Why errors keep torch's wording]

@@ -27,7 +27,7 @@ def test_entry_point_registers_backend_without_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["localmap_fx.backend", "localmap_fx_backend"]
+    assert out.stdout.split() == ["localmap_fx.compiler", "localmap_fx_backend"]
 
 
 def test_backend_by_name_compiles_with_inductor():

@@ -29,6 +29,9 @@ from helpers import mesh_1d, mesh_for
 
 
 def _compile(model_name: str, **options):
+    # The pins show outlined bodies, and bodies are outlined only in a frame
+    # that is not split into layers (Note: [Outline or inline, decided once]).
+    options.setdefault("share_layers", False)
     m = MODELS[model_name]
     state = m.build(mesh_for(m.mesh_ndim), 0)
     rec = Recorder("aot_eager", **options)
@@ -304,6 +307,7 @@ def test_no_region_lost_or_split(name):
 
 
 def _capture(fn, *inputs, fullgraph=True, **options):
+    options.setdefault("share_layers", False)  # see _compile
     rec = Recorder("aot_eager", **options)
     out = torch.compile(fn, backend=rec.backend, fullgraph=fullgraph)(*inputs)
     return rec, out

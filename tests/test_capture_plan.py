@@ -1,4 +1,4 @@
-"""Planning a captured call in real Python (localmap_fx.capture_plan).
+"""Planning a captured call in real Python (localmap_fx.capture.plan).
 
 The planned path must build exactly the graph the traced path builds, raise
 the same errors, and step aside (to the traced path) for every call it does
@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import localmap_fx
-from localmap_fx import capture_plan
+from localmap_fx.capture import plan as capture_plan
 from localmap_fx.testing.graphs import Recorder, normalized
 from localmap_fx.testing.models import MODELS, grad_tensors
 
@@ -25,7 +25,7 @@ from helpers import mesh_1d, mesh_for
 
 @contextlib.contextmanager
 def _traced_only():
-    with mock.patch("localmap_fx.capture.plan_call", lambda ctx: capture_plan._put(None)):
+    with mock.patch("localmap_fx.capture.call.plan_call", lambda ctx: capture_plan._put(None)):
         yield
 
 

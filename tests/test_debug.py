@@ -32,7 +32,7 @@ from helpers import mesh_for
 
 BASE_FILES = {
     "captured_graph.txt",
-    "pass_outline_regions.txt",
+    "pass_inline_shared_bodies.txt",
     "pass_lower_boundaries.txt",
     "pass_fuse_boundaries.txt",
     "lowered_graph.txt",
@@ -171,7 +171,7 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
 - `region_0.txt`: region r0 (_scale_rows): spec, call site, body at local shapes
 - `summary.json`: machine-readable tables (this file's data)
 - `summary.md`: this file
-- `pass_outline_regions.txt`: the graph after the outline_regions pass
+- `pass_inline_shared_bodies.txt`: the graph after the inline_shared_bodies pass
 - `pass_lower_boundaries.txt`: the graph after the lower_boundaries pass
 - `pass_fuse_boundaries.txt`: the graph after the fuse_boundaries pass
 - `lowered_graph.txt`: the graph handed to the inner compiler

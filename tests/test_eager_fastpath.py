@@ -199,7 +199,7 @@ def test_spmd_plan_pushes_the_same_mesh_entry(mesh2d):
     import spmd_types as spmd
     from spmd_types._state import _current_mesh_entry
 
-    from localmap_fx.spmd import SpmdPlan
+    from localmap_fx.spmd.types import SpmdPlan
 
     with spmd.set_current_mesh(mesh2d):
         expected = _current_mesh_entry()

@@ -274,14 +274,14 @@ def _torch_local_map_typed_grads(
 
     With ``spmd_types=True`` and no ``in_grad_placements``, localmap_fx gives
     each DTensor input the gradient placements of its SPMD type (Replicate ->
-    Partial, see ``localmap_fx.spmd.typed_in_grad_placements`` and
+    Partial, see ``localmap_fx.spmd.types.typed_in_grad_placements`` and
     docs/user-guide.md, "Deviations from torch"), where torch keeps
     ``to_local()``'s default (Replicate, wrong for a type-R input).  This is
     torch's local_map called with exactly those ``in_grad_placements``.
     """
     from torch.distributed.tensor._api import _normalize_placements_for_grad
 
-    from localmap_fx.spmd import typed_in_grad_placements
+    from localmap_fx.spmd.types import typed_in_grad_placements
 
     kw = dict(redistribute_inputs=redistribute_inputs, spmd_types=spmd_types)
     if func is None:

@@ -22,8 +22,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.testing.models", "localmap_fx.testing.parallel"),
     ("localmap_fx", "localmap_fx.testing", "localmap_fx.debug"),
     ("localmap_fx.api",),
-    ("localmap_fx.backend",),
-    ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compile_pieces"),
+    ("localmap_fx.compiler",),
+    ("localmap_fx.compiler.pipeline",),
+    ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compiler.pieces", "localmap_fx.compiler.inner"),
     ("localmap_fx.passes",),
     (
         "localmap_fx.passes.outline_regions",
@@ -44,18 +45,18 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "localmap_fx.passes.inline_bodies",
         "localmap_fx.eager",
-        "localmap_fx.capture",
+        "localmap_fx.capture.call",
         "localmap_fx.debug.tables",
         "localmap_fx.debug.report",
         "localmap_fx.lowering.plan",
-        "localmap_fx.lowering.spmd_check",
+        "localmap_fx.spmd.check",
     ),
-    ("localmap_fx.spmd", "localmap_fx.capture_plan"),
-    ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd_rules", "localmap_fx.reuse"),
+    ("localmap_fx.spmd.types", "localmap_fx.capture.plan"),
+    ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd.rules", "localmap_fx.capture.reuse"),
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",
-        "localmap_fx.lowering.functions",
+        "localmap_fx.spmd.functions",
         "localmap_fx.testing.teardown",
         "localmap_fx.meshcache",
         "localmap_fx._pytree",
@@ -64,6 +65,9 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.debug.atomic",
         "localmap_fx.debug.formatting",
         "localmap_fx.debug.logs",
+        "localmap_fx.compiler.options",
+        "localmap_fx.capture",
+        "localmap_fx.spmd",
     ),
 ]
 RANK = {m: len(LAYERS) - i for i, layer in enumerate(LAYERS) for m in layer}
@@ -200,7 +204,7 @@ def test_public_names_do_not_import_the_compiler():
     # Dynamo/Inductor load when a backend compiles a graph, not before
     # (startup time is measured in benchmarks/startup.py).
     mods = _modules_after("import torch, localmap_fx\nfrom localmap_fx import local_map, backend, BackendOptions")
-    assert "localmap_fx.api" in mods and "localmap_fx.backend" in mods
+    assert "localmap_fx.api" in mods and "localmap_fx.compiler" in mods
     assert not {"torch._dynamo", "torch._inductor"} & mods
 
 

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
-from localmap_fx.backend import AUTO_MIN_LAYERS, layer_sharing_decision
+from localmap_fx.compiler import AUTO_MIN_LAYERS, layer_sharing_decision
 from localmap_fx.graph_utils import node_value
 from localmap_fx.passes.share_layers import (
     META_PIECE,

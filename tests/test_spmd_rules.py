@@ -1,4 +1,4 @@
-"""The functional-collective typing rules (localmap_fx.spmd_rules), one by one.
+"""The functional-collective typing rules (localmap_fx.spmd.rules), one by one.
 
 Collectives run on the fake process group (no data moves): only the types
 matter here.  The numbers behind each rule are checked in
@@ -17,8 +17,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
-from localmap_fx import spmd as lspmd
-from localmap_fx.spmd_rules import RULES, axis_of_group, rule_for, rules_table_markdown
+from localmap_fx.spmd import types as lspmd
+from localmap_fx.spmd.rules import RULES, axis_of_group, rule_for, rules_table_markdown
 
 from helpers import mesh_1d, mesh_2d
 

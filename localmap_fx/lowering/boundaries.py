@@ -32,8 +32,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..graph_utils import is_from_local, is_redistribute, is_to_local, node_value
 from ..region import META_LOWERED, META_PLAN, Region, find_regions, index_of
+from ..spmd.check import out_grad_placements_for, typed_in_grad_placements
 from .plan import RedistributePlan, plan_redistribute
-from .spmd_check import out_grad_placements_for, typed_in_grad_placements
 
 __all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower"]
 

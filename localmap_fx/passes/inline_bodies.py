@@ -2,7 +2,7 @@
 
 The inverse of :func:`localmap_fx.passes.outline_regions.outline_regions`,
 used when layer sharing makes outlining pointless or costly (see Note:
-[When "auto" shares layers] in :mod:`localmap_fx.backend`): a shared layer
+[When "auto" shares layers] in :mod:`localmap_fx.compiler.pipeline`): a shared layer
 piece is compiled once anyway, and an inline body fuses with its
 neighbours, where an ``invoke_subgraph`` call is a kernel border and a call
 at run time::

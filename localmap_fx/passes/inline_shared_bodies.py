@@ -1,7 +1,7 @@
 """Inline the bodies Dynamo traced once and shared (``outline=False``).
 
 Capture calls a repeated region body through one shared ``invoke_subgraph``
-(:mod:`localmap_fx.reuse`).  With ``outline=False`` the backend promises
+(:mod:`localmap_fx.capture.reuse`).  With ``outline=False`` the backend promises
 bodies inline -- needed, for example, under ``LocalTensorMode``, for which
 torch 2.14.1 has no ``invoke_subgraph`` rule -- so this pass copies each such
 body back into the graph at its call::

@@ -13,7 +13,7 @@ and Inductor compile a repeated layer once::
     y = from_local(out, ...)                 y = from_local(out, ...)
 
 A body that capture already made an ``invoke_subgraph`` (a repeated call
-Dynamo traced once, see :mod:`localmap_fx.reuse`) is adopted as it is: the
+Dynamo traced once, see :mod:`localmap_fx.capture.reuse`) is adopted as it is: the
 call is pointed at the shared submodule of identical bodies and renamed.
 
 A body is left inline (and reported by :func:`find_outline_matches` with a
@@ -56,7 +56,7 @@ class OutlineMatch:
     key: tuple
     skip_reason: str | None = None
     # the invoke_subgraph Dynamo already made of the body (a call that
-    # reused a traced body, see localmap_fx.reuse); adopted, not re-wrapped
+    # reused a traced body, see localmap_fx.capture.reuse); adopted, not re-wrapped
     shared_call: fx.Node | None = None
 
 

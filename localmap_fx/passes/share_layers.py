@@ -15,7 +15,7 @@ into *pieces* so that the backend compiles each distinct layer once::
 
 Finding (:func:`find_layer_spans`) and rewriting (:func:`split_layers`) are
 separate.  Compiling the pieces, once per key, is the backend's job
-(:func:`localmap_fx.backend.compile_pieces`).
+(:func:`localmap_fx.compiler.pieces.compile_pieces`).
 
 Note: [Layer spans and their key]
     Regions are the anchors: the sequence of region kinds (function and

@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch.fx as fx
 
-from ..backend import backend
+from ..compiler import backend
 from ..graph_utils import collective_name, is_collective
 
 __all__ = ["Recorder", "normalized", "model_sites", "collective_counts", "eager_collective_counts"]

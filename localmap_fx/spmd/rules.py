@@ -20,7 +20,7 @@ Note: [Why a rule table of our own]
     ``RAW_DIST_RULES``, ``_OP_REGISTRY``) are internal: adding entries to them
     would be patching spmd_types.  So :func:`rules` is a small
     ``TorchFunctionMode`` of ours, entered *inside* spmd_types'
-    ``typecheck()`` (see :func:`localmap_fx.spmd.checking`).  Being the top
+    ``typecheck()`` (see :func:`localmap_fx.spmd.types.checking`).  Being the top
     mode it sees every torch call of the body first; for a functional
     collective it checks the input types against :data:`RULES`, runs the op
     with checking paused (``spmd.no_typecheck()``) and stamps the output
@@ -70,7 +70,7 @@ import torch.utils._pytree as pytree
 from spmd_types import I, P, R, V
 from torch._ops import OpOverload
 
-from .graph_utils import NON_COLLECTIVE_OPS, funcol_op
+from ..graph_utils import NON_COLLECTIVE_OPS, funcol_op
 
 __all__ = [
     "CollectiveRule",

@@ -7,7 +7,7 @@ Note: [autograd.Function under the compile-time SPMD check]
     its own rule, and an unregistered one is rejected under strict checking.
     Dynamo replaces the call by the ``autograd_function_apply`` higher-order
     op, whose forward and backward subgraphs keep no reference to the class.
-    So the compile-time check (:mod:`localmap_fx.lowering.spmd_check`) asks
+    So the compile-time check (:mod:`localmap_fx.spmd.check`) asks
     the region's body instead: :func:`register_body` keeps a weak reference
     to each ``spmd_types=True`` body (keyed by a number stored in the region's
     spec annotation), and :func:`function_classes` lists the Function classes

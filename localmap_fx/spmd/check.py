@@ -2,7 +2,7 @@
 
 The body's subgraph runs once, on fresh fake tensors typed from the region's
 placements exactly as the eager path types them, under the strict checker
-with the functional-collective rules (:func:`localmap_fx.spmd.checking`).
+with the functional-collective rules (:func:`localmap_fx.spmd.types.checking`).
 Its verdict and messages are the eager ones, followed by the region's call
 site and the body line of the op that failed; the output types give the
 output grad placements.  Nothing of the check stays in the compiled program.
@@ -22,11 +22,11 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import spmd
 from ..errors import region_error
 from ..graph_utils import Frame, is_wrapper_frame, node_value, stack_frames
 from ..region import Region, index_of
 from . import functions
+from . import types as spmd
 
 __all__ = ["out_grad_placements_for", "typed_in_grad_placements"]
 

@@ -1,6 +1,6 @@
 """Plan a captured ``local_map`` call in plain Python instead of in Dynamo.
 
-:func:`localmap_fx.capture.call_captured` is traced by Dynamo, which runs
+:func:`localmap_fx.capture.call.call_captured` is traced by Dynamo, which runs
 every Python instruction of it symbolically, about a thousand times slower
 than Python itself.  The checks and the bookkeeping of a call (flattening
 the arguments, describing each one, planning redistributions, checking the
@@ -59,11 +59,11 @@ from typing import Any
 
 import torch
 
-from . import argtree, validate
-from .errors import compile_time
-from .graph_utils import node_value
-from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
-from .shapes import contiguous_stride, input_shapes, output_global_shape
+from .. import argtree, validate
+from ..errors import compile_time
+from ..graph_utils import node_value
+from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from ..shapes import contiguous_stride, input_shapes, output_global_shape
 
 __all__ = ["plan_call", "plan_outputs", "taken"]
 

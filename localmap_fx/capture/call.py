@@ -22,7 +22,7 @@ Note: [Why capture inlines the body instead of using invoke_subgraph]
     into one shared ``invoke_subgraph`` so they are compiled once.  Only a
     *repeated* call whose first call (inline) proved it safe goes through
     ``invoke_subgraph``, so that Dynamo traces it once
-    (:mod:`localmap_fx.reuse`, Note: [When a call is not shared]).
+    (:mod:`localmap_fx.capture.reuse`, Note: [When a call is not shared]).
 
 Note: [spmd_types under compile]
     The spmd_types checker cannot run inside Dynamo (process groups are opaque
@@ -41,16 +41,16 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
-from . import argtree, validate
-from ._pytree import flatten_args, pytree, unflatten_args
-from .capture_plan import plan_call, plan_outputs, taken
-from .errors import compile_time
-from .region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from .. import argtree, validate
+from .._pytree import flatten_args, pytree, unflatten_args
+from ..errors import compile_time
+from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from ..shapes import contiguous_stride, input_shapes, output_global_shape
+from .plan import plan_call, plan_outputs, taken
 from .reuse import run_body
-from .shapes import contiguous_stride, input_shapes, output_global_shape
 
 if TYPE_CHECKING:
-    from .api import LocalMap
+    from ..api import LocalMap
 
 __all__ = ["call_captured"]
 
@@ -80,7 +80,7 @@ _check_outputs = _at_compile_time(validate.check_outputs)
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     if not kwargs:
-        # the common call is planned in real Python (localmap_fx.capture_plan)
+        # the common call is planned in real Python (localmap_fx.capture.plan)
         comptime(plan_call)
         plan = taken()
         if plan is not None:
@@ -92,7 +92,7 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
     """A flat call planned by comptime: Dynamo traces only the boundary ops.
 
     Every instruction here is traced per call (Note: [Why the planned path is
-    short] in :mod:`localmap_fx.capture_plan`): no helpers, one ``annotate``
+    short] in :mod:`localmap_fx.capture.plan`): no helpers, one ``annotate``
     per node group, the annotations built once per ``LocalMap``.
     """
     enters, body_annotation, spec, mesh_from = plan
@@ -114,7 +114,7 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
                 local = local.wait()
         flat_local.append(local)
     with annotate(body_annotation):
-        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        # repeated calls of one region key are traced once (localmap_fx.capture.reuse)
         out = run_body(lm.func, tuple(flat_local), {}, spec, mesh)
     comptime(plan_outputs)
     exits = taken()
@@ -181,7 +181,7 @@ def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         return lm.func(*local_args, **kwargs)
 
     with annotate(annotation), annotate(_BODY):
-        # repeated calls of one region key are traced once (localmap_fx.reuse)
+        # repeated calls of one region key are traced once (localmap_fx.capture.reuse)
         out = run_body(lm.func, local_args, kwargs, annotation[META_SPEC], mesh)
     return _exit_traced(lm, annotation, out, mesh, input_shapes(flat_args, plan, flat_local))
 

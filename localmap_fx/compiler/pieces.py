@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import node_value
-from .passes.share_layers import META_PIECE, pieces_of
+from ..graph_utils import node_value
+from ..passes.share_layers import META_PIECE, pieces_of
 
 __all__ = ["PieceReport", "compile_pieces"]
 
@@ -71,7 +71,7 @@ def compile_pieces(
     """Replace every piece of ``outer`` by its compiled callable (shared per key)."""
     from torch._guards import TracingContext, tracing
 
-    from .passes.share_layers import _digest
+    from ..passes.share_layers import _digest
 
     by_key: dict[tuple, _CompiledPiece] = {}
     reports: list[PieceReport] = []

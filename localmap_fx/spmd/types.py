@@ -17,8 +17,8 @@ Replicate, ``V`` -> Shard (dim taken from out_placements).  Inputs get the
 gradient of their type too (:func:`typed_in_grad_placements`).
 
 :func:`checking` is spmd_types' strict checker plus our typing rules for
-functional collectives (:mod:`localmap_fx.spmd_rules`); eager calls and the
-compile-time check (:mod:`localmap_fx.lowering.spmd_check`) both use it.
+functional collectives (:mod:`localmap_fx.spmd.rules`); eager calls and the
+compile-time check (:mod:`localmap_fx.spmd.check`) both use it.
 """
 
 from __future__ import annotations
@@ -166,12 +166,12 @@ def annotate_inputs(
 def checking(mesh: DeviceMesh):
     """Strict SPMD type checking of everything run inside, on ``mesh``.
 
-    Functional collectives are typed by :func:`localmap_fx.spmd_rules.rules`,
+    Functional collectives are typed by :func:`localmap_fx.spmd.rules.rules`,
     a mode entered inside spmd_types' own (so it sees every call first).
     """
     from spmd_types._checker import typecheck
 
-    from .spmd_rules import rules
+    from .rules import rules
 
     with spmd.set_current_mesh(mesh), typecheck(strict_mode="strict"), rules():
         yield
@@ -388,7 +388,7 @@ class _CheckingWithEntry:
         from spmd_types._checker import typecheck
         from spmd_types._state import _push_mesh
 
-        from .spmd_rules import rules
+        from .rules import rules
 
         resolved, names, pgs = self.entry
         _push_mesh(resolved, names, pgs, local_axes=frozenset())

@@ -59,7 +59,7 @@ from torch._dynamo.comptime import comptime
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .graph_utils import node_value
+from ..graph_utils import node_value
 
 __all__ = ["region_reuse", "reuse_enabled", "run_body", "SHARED_BODY_PREFIX"]
 

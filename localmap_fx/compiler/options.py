@@ -1,0 +1,82 @@
+"""Options of the ``localmap_fx`` backend (:class:`BackendOptions`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch.fx as fx
+
+__all__ = ["BackendOptions", "INNER_COMPILERS"]
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """Options of the ``localmap_fx`` backend.
+
+    Attributes:
+        inner: the compiler that receives the lowered graph: ``"inductor"``
+            (default), ``"aot_eager"`` (AOTAutograd, no codegen: bitwise equal
+            to eager) or ``"eager"`` (run the lowered FX graph as is).
+        outline: outline region bodies into shared ``invoke_subgraph`` calls
+            so repeated regions compile once (default True).
+        fuse_boundaries: drop ``from_local -> to_local`` pairs between
+            adjacent regions whose placements and grad placements already
+            match (default True).
+        typecheck: ``"regions"`` checks regions with ``spmd_types=True`` at
+            compile time, ``"off"`` skips it (the derived grad placements
+            then fall back to DTensor defaults, as for spmd_types=False).
+        on_stage: called as ``on_stage(stage_name, gm)`` after capture and
+            after every pass.
+        on_aot_graph: called as ``on_aot_graph("forward"|"backward", gm)``
+            with the AOTAutograd graphs (inner = inductor or aot_eager).
+        dump_dir: write every compiled frame's graphs, regions and
+            collective tables under this folder (see ``docs/debugging.md``);
+            ``None`` (default) reads ``$LOCALMAP_FX_DUMP_DIR``, unset = off.
+        share_layers: compile a repeated layer (its regions and the DTensor
+            code between them) once and call the compiled piece per layer
+            (``True``); keep the whole frame one graph (``False``); or decide
+            from the number of repeats (``"auto"``, default; see
+            :func:`layer_sharing_decision` and ``docs/design.md``).
+    """
+
+    inner: str = "inductor"
+    outline: bool = True
+    fuse_boundaries: bool = True
+    typecheck: str = "regions"
+    on_stage: Callable[[str, fx.GraphModule], None] | None = None
+    on_aot_graph: Callable[[str, fx.GraphModule], None] | None = None
+    dump_dir: str | None = None
+    share_layers: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(
+                f"backend(inner={self.inner!r}) is not supported: use one of {INNER_COMPILERS}."
+            )
+        if self.share_layers not in (True, False, "auto"):
+            raise ValueError(
+                f"backend(share_layers={self.share_layers!r}) is not supported: use "
+                "True, False or 'auto'."
+            )
+        if self.typecheck not in ("regions", "all", "off"):
+            raise ValueError(
+                f"backend(typecheck={self.typecheck!r}) is not supported: use "
+                "'regions', 'all' or 'off'."
+            )
+        if self.inner == "inductor" and self.outline and self.share_layers is False:
+            import warnings
+
+            # hoist_subgraph_views repairs one such case; the residual case
+            # (h = x + f(x); y = f(h)) is still wrong upstream.
+            warnings.warn(
+                "localmap_fx.backend(inner='inductor', share_layers=False, outline=True): "
+                "torch 2.14.1's Inductor can give wrong gradients for a region body shared "
+                "by several calls (pinned by tests/test_models.py::"
+                "test_upstream_invoke_subgraph_twice_with_residual). Pass outline=False, or "
+                "keep share_layers='auto'/True, for gradients you can trust.",
+                UserWarning,
+                stacklevel=3,
+            )
