@@ -25,7 +25,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.compiler",),
     ("localmap_fx.compiler.pipeline",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compiler.pieces", "localmap_fx.compiler.inner"),
-    ("localmap_fx.passes",),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
@@ -68,6 +67,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.compiler.options",
         "localmap_fx.capture",
         "localmap_fx.spmd",
+        "localmap_fx.passes",
     ),
 ]
 RANK = {m: len(LAYERS) - i for i, layer in enumerate(LAYERS) for m in layer}

@@ -39,6 +39,7 @@ import torch.utils._python_dispatch
 from ..graph_utils import fetch_attr, getitem_users, is_symbolic, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
+from . import PassResult
 from .inline_shared_bodies import inline_nested_shared_bodies
 
 __all__ = [
@@ -279,19 +280,20 @@ def adopt_shared_call(gm: fx.GraphModule, match: OutlineMatch, sub_name: str, id
     return call
 
 
-def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
+def outline_regions(gm: fx.GraphModule) -> PassResult:
     """Outline every region body that can be; identical bodies share one subgraph.
 
     Shared bodies inside nested subgraphs are inlined first (they stay
     inline there, see :func:`inline_nested_shared_bodies`).
     """
-    gm = inline_nested_shared_bodies(gm)
+    changed = list(inline_nested_shared_bodies(gm).changed)
     by_key: dict[tuple, tuple[str, str]] = {}
     dynamo_names: set[str] = set()
     n_sub = sum(1 for name, _ in gm.named_children() if name.startswith("localmap_fx_body_"))
     for match in find_outline_matches(gm):
         if match.skip_reason is not None:
             continue
+        changed.append(gm)
         if match.key not in by_key:
             name = f"localmap_fx_body_{n_sub}"
             n_sub += 1
@@ -312,6 +314,4 @@ def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for name in dynamo_names - used:
         delattr(gm, name)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return PassResult.of(gm, changed)
