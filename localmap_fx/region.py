@@ -39,13 +39,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import graph_utils
-from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value
+from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value, subgraph_calls
 
 __all__ = [
     "RegionSpec",
     "Region",
     "find_regions",
-    "subgraph_calls",
     "shared_body_call",
     "META_SPEC",
     "META_ROLE",
@@ -437,22 +436,6 @@ def _extract(
         env[n] = sub.node_copy(n, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))
     return (sub, owner), inputs, outputs
-
-
-def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
-    """``(target, module)`` of every subgraph the higher-order op ``node`` calls."""
-    if node.op != "call_function":
-        return []
-    out = []
-    for a in (*node.args, *node.kwargs.values()):
-        if isinstance(a, fx.Node) and a.op == "get_attr":
-            try:
-                mod = fetch_attr(gm, a.target)
-            except AttributeError:
-                continue
-            if isinstance(mod, fx.GraphModule):
-                out.append((str(a.target), mod))
-    return out
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
