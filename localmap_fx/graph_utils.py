@@ -186,7 +186,7 @@ def subgraph_attr(call: fx.Node) -> fx.Node:
 
 def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
     """``(target, module)`` of every subgraph the higher-order op ``node`` calls
-    (``get_attr`` arguments of ``gm`` that are ``GraphModule``\ s)."""
+    (``get_attr`` arguments of ``gm`` that are ``GraphModule`` objects)."""
     if node.op != "call_function":
         return []
     out = []

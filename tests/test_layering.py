@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("localmap_fx.spmd.types", "localmap_fx.capture.plan"),
     ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd.rules", "localmap_fx.capture.reuse"),
+    ("localmap_fx.analysis",),
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",

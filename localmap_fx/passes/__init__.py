@@ -2,7 +2,7 @@
 
 Each pass is a function ``GraphModule -> PassResult`` in a module of its own
 (``find_*`` separate from rewriting, a before/after drawing in its
-docstring).  A pass edits graphs only: it says which ``GraphModule``\\ s it
+docstring).  A pass edits graphs only: it says which ``GraphModule`` objects it
 edited (the root, and nested subgraph modules such as a checkpoint body) and
 :func:`run_passes` lints and recompiles each of them once, after the pass
 (as ``torch.fx.passes.infra``'s ``PassManager`` does with its
