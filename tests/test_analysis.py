@@ -14,6 +14,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from expecttest import assert_expected_inline
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from localmap_fx.analysis import (
@@ -25,6 +26,7 @@ from localmap_fx.analysis import (
     storage_key,
     structural_key,
 )
+from localmap_fx.testing.graphs import normalized
 
 from helpers import mesh_1d
 
@@ -155,26 +157,37 @@ def test_dtensor_inputs_get_fresh_local_tensors():
 
 def test_copy_nodes_and_structural_key_of_a_span():
     def f(x, w):
-        a = x * w
-        b = a + 1
-        c = b.relu()
-        return c * a
+        a = (x * w).relu()
+        b = (a * w).relu()
+        return b + a
 
     gm = fx.symbolic_trace(f)
     x, w = _xw()
-    for n in gm.graph.find_nodes(op="placeholder"):
-        n.meta["val"] = x if n.name == "x" else w
-    nodes = list(gm.graph.nodes)
-    span = nodes[3:5]  # b, c
-    inputs, outputs = span_io(span)
-    assert [n.name for n in inputs] == ["mul"] and [n.name for n in outputs] == ["relu"]
-    graph, owner = copy_nodes(span, inputs, outputs, functools.partial(getattr, gm), ["a"])
+    for n in gm.graph.nodes:
+        n.meta["val"] = x  # every value here is a (4, 3) float tensor
+    attr = functools.partial(getattr, gm)
+    nodes = list(gm.graph.nodes)  # x, w, mul, relu, mul_1, relu_1, add, output
+    first, second, across = nodes[2:4], nodes[4:6], nodes[3:5]
+    inputs, outputs = span_io(second)
+    assert [n.name for n in inputs] == ["relu", "w"] and [n.name for n in outputs] == ["relu_1"]
+    graph, owner = copy_nodes(second, inputs, outputs, attr, ["a", "w"])
     copied = fx.GraphModule(owner, graph)
-    assert torch.equal(copied(x)[0], (x + 1).relu())
-    key = structural_key(span, functools.partial(getattr, gm), inputs, outputs)
-    # the same code on another span of the same shape: equal keys; other code: not
-    assert key == structural_key(span, functools.partial(getattr, gm), inputs, outputs)
-    assert key != structural_key(nodes[2:4], functools.partial(getattr, gm), *span_io(nodes[2:4]))
+    assert_expected_inline(normalized(copied), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, a: "f32[4, 3]", w: "f32[4, 3]"):
+        mul_1: "f32[4, 3]" = a * w
+        relu_1: "f32[4, 3]" = mul_1.relu()
+        return (relu_1,)
+""")
+    assert torch.equal(copied(x, w)[0], (x * w).relu())
+
+    def key(span):
+        ins, outs = span_io(span)
+        return structural_key(span, attr, ins, outs)
+
+    # the same code on inputs with the same metadata: equal keys; other code: not
+    assert key(first) == key(second)
+    assert key(across) != key(second)
 
 
 def test_writes_inside_an_outlined_subgraph_are_found():
