@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 import torch.utils._python_dispatch
 
-from .graph_utils import node_value
+from .graph_utils import node_value, schema_args
 
 __all__ = [
     "storage_key",
@@ -281,10 +281,11 @@ class _WriteRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         kwargs = kwargs or {}
         schema = func._schema
         if schema.is_mutable:
-            for i, a in enumerate(schema.arguments):
+            bound = schema_args(func, args, kwargs)
+            for a in schema.arguments:
                 if a.alias_info is None or not a.alias_info.is_write:
                     continue
-                v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+                v = bound.get(a.name)
                 for t in v if isinstance(v, (list, tuple)) else (v,):
                     key = storage_key(t)
                     if key is not None and key in self.known:
