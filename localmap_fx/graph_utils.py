@@ -5,8 +5,11 @@ annotation dict (:func:`custom_meta`), functional collectives
 (:func:`collective_name`, :func:`is_collective`), the DTensor boundary
 operations (:func:`is_to_local`, :func:`is_from_local`,
 :func:`is_redistribute`), mesh dimension names (:func:`mesh_dim_names`),
-``get_attr`` targets (:func:`fetch_attr`) and the frames of a node's
-``stack_trace`` (:func:`stack_frames`, :func:`call_site_of`).
+``get_attr`` targets (:func:`fetch_attr`), the subgraphs a higher-order op
+calls (:func:`subgraph_calls`), an op's arguments by schema name
+(:func:`schema_args`) and the frames of a node's ``stack_trace``
+(:func:`stack_frames`, :func:`call_site_of`).  Analyses of whole graphs
+(structural keys, writes and aliases) are in :mod:`localmap_fx.analysis`.
 
 Nothing here mutates a graph.  This module sits at the bottom of the package
 (it imports only torch), so capture, passes, lowering and debug all use it.
@@ -45,6 +48,8 @@ __all__ = [
     "mesh_dim_names",
     "fetch_attr",
     "subgraph_attr",
+    "subgraph_calls",
+    "schema_args",
     "getitem_users",
     "Frame",
     "stack_frames",
@@ -177,6 +182,36 @@ def subgraph_attr(call: fx.Node) -> fx.Node:
     if not (isinstance(attr, fx.Node) and attr.op == "get_attr"):
         raise AssertionError(f"{call.name} does not call a subgraph attribute (args[0] = {attr!r})")
     return attr
+
+
+def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
+    """``(target, module)`` of every subgraph the higher-order op ``node`` calls
+    (``get_attr`` arguments of ``gm`` that are ``GraphModule`` objects)."""
+    if node.op != "call_function":
+        return []
+    out = []
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            try:
+                mod = fetch_attr(gm, a.target)
+            except AttributeError:
+                continue
+            if isinstance(mod, fx.GraphModule):
+                out.append((str(a.target), mod))
+    return out
+
+
+def schema_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``name -> value`` of the arguments of a call of the ATen op ``op`` (an
+    overload, or a packet: its ``default`` schema), named by the op's schema."""
+    schema = op._schema if isinstance(op, torch._ops.OpOverload) else op.default._schema
+    bound: dict[str, Any] = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+    return bound
 
 
 def getitem_users(call: fx.Node) -> dict[int, fx.Node]:

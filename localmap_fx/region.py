@@ -29,6 +29,7 @@ Note: [Regions inside nested subgraphs]
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -39,13 +40,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import graph_utils
-from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value
+from .analysis import copy_nodes
+from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value, subgraph_calls
 
 __all__ = [
     "RegionSpec",
     "Region",
     "find_regions",
-    "subgraph_calls",
     "shared_body_call",
     "META_SPEC",
     "META_ROLE",
@@ -415,44 +416,10 @@ def _extract(
         if n not in outputs and any(u not in body_set for u in n.users):
             if not (n.op == "call_function" and n.target is operator.getitem and n.users.keys() <= body_set):
                 outputs.append(n)
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    n_captured = 0
-    for i in inputs:
-        if i.kind == "arg":
-            name = f"arg{i.index}"
-        else:
-            name, n_captured = f"captured{n_captured}", n_captured + 1
-        ph = sub.placeholder(name)
-        ph.meta = dict(i.node.meta)
-        env[i.node] = ph
-    owner = torch.nn.Module()
-    for n in body:
-        if n.op == "get_attr":
-            local_name = str(n.target).replace(".", "_")
-            setattr(owner, local_name, fetch_attr(gm, n.target))
-            env[n] = sub.get_attr(local_name)
-            env[n].meta = dict(n.meta)
-            continue
-        env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(tuple(env[o] for o in outputs))
+    n_args = sum(1 for i in inputs if i.kind == "arg")  # user arguments come first
+    names = [f"arg{i.index}" if i.kind == "arg" else f"captured{k - n_args}" for k, i in enumerate(inputs)]
+    sub, owner = copy_nodes(body, [i.node for i in inputs], outputs, functools.partial(fetch_attr, gm), names)
     return (sub, owner), inputs, outputs
-
-
-def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.GraphModule]]:
-    """``(target, module)`` of every subgraph the higher-order op ``node`` calls."""
-    if node.op != "call_function":
-        return []
-    out = []
-    for a in (*node.args, *node.kwargs.values()):
-        if isinstance(a, fx.Node) and a.op == "get_attr":
-            try:
-                mod = fetch_attr(gm, a.target)
-            except AttributeError:
-                continue
-            if isinstance(mod, fx.GraphModule):
-                out.append((str(a.target), mod))
-    return out
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from expecttest import assert_expected_inline
 
+from localmap_fx.passes import apply
 from localmap_fx.passes.hoist_subgraph_views import (
     find_subgraph_view_outputs,
     hoist_subgraph_views,
@@ -60,7 +61,7 @@ def _inductor_with(pass_=None, record=None):
         if record is not None:
             record.append((kwargs.get("is_backward", False), fx.GraphModule(g, g.graph.__deepcopy__())))
         if pass_ is not None:
-            g = pass_(g)
+            g = apply(pass_, g)
         return compile_fx_inner(g, inputs, **kwargs)
 
     def backend(gm, example_inputs):

@@ -25,7 +25,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.compiler",),
     ("localmap_fx.compiler.pipeline",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compiler.pieces", "localmap_fx.compiler.inner"),
-    ("localmap_fx.passes",),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
@@ -53,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("localmap_fx.spmd.types", "localmap_fx.capture.plan"),
     ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd.rules", "localmap_fx.capture.reuse"),
+    ("localmap_fx.analysis",),
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",
@@ -68,6 +68,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.compiler.options",
         "localmap_fx.capture",
         "localmap_fx.spmd",
+        "localmap_fx.passes",
     ),
 ]
 RANK = {m: len(LAYERS) - i for i, layer in enumerate(LAYERS) for m in layer}

@@ -1,7 +1,8 @@
 """Outlining never changes what a body computes, whatever way it writes to an input.
 
 ``outline_regions`` keeps a body inline when it writes into an input's
-storage (see Note: [Deciding that a body mutates an input]): in place, through
+storage (see Note: [Deciding that a body writes to or aliases an input] in
+localmap_fx/analysis.py): in place, through
 a view, with ``out=``, ``copy_`` or ``setitem``.  Each body below runs
 compiled with outlining on and off (and eagerly); outputs and the inputs
 after the call must agree.

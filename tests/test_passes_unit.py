@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import localmap_fx
 from localmap_fx.lowering import find_boundaries, lower
+from localmap_fx.passes import apply
 from localmap_fx.passes.fuse_boundaries import find_round_trips, fuse_boundaries
 from localmap_fx.passes.outline_regions import find_outline_matches, outline_regions
 from localmap_fx.region import META_INDEX, META_ROLE, spec_annotation
@@ -114,7 +115,7 @@ def test_fuse_finds_and_removes_the_round_trip():
     gm = lower(_two_region_graph())
     (rt,) = find_round_trips(gm)
     assert rt.from_local.target is DTensor.from_local and rt.to_local.target == "to_local"
-    gm = fuse_boundaries(gm)
+    gm = apply(fuse_boundaries, gm)
     ops = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert ops == ["to_local", torch.sin, operator.mul, DTensor.from_local]
     assert len(localmap_fx.find_regions(gm)) == 2
@@ -131,7 +132,7 @@ def test_outline_replaces_each_body_with_invoke_subgraph():
     gm = _two_region_graph()
     matches = find_outline_matches(gm)
     assert [m.skip_reason for m in matches] == [None, None]
-    gm = outline_regions(gm)
+    gm = apply(outline_regions, gm)
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     assert len(calls) == 2
     regions = localmap_fx.find_regions(gm)

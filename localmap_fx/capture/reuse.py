@@ -55,10 +55,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch._dynamo.comptime import comptime
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..analysis import copy_nodes, find_effects, span_io, storage_key
 from ..graph_utils import node_value
 
 __all__ = ["region_reuse", "reuse_enabled", "run_body", "SHARED_BODY_PREFIX"]
@@ -132,7 +133,6 @@ class _Probe:
     graph: torch.fx.Graph
     before: set
     inputs: list  # fake tensors of the tensor arguments
-    versions: list
 
 
 @dataclasses.dataclass
@@ -162,10 +162,8 @@ def _vt(ctx, name: str):
 
 
 def _storages(t: torch.Tensor) -> set:
-    try:
-        return {StorageWeakRef(t.untyped_storage())}
-    except Exception:  # noqa: BLE001 - no storage (sparse, subclass): treat as unique
-        return set()
+    key = storage_key(t)
+    return set() if key is None else {key}  # no storage (sparse, subclass): unique
 
 
 def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
@@ -248,7 +246,7 @@ def _lookup(ctx) -> None:
         if verdict is None:
             graph = ctx.graph()
             state.probes.append(
-                _Probe(key, graph, set(graph.nodes), fakes, [t._version for t in fakes])
+                _Probe(key, graph, set(graph.nodes), fakes)
             )
         elif verdict.safe and func is not None and _disjoint(fakes, verdict.captured):
             decision = _shared_body_name(key, func)
@@ -290,17 +288,32 @@ def _probe_end(ctx) -> None:
                 v = node_value(a)
                 if isinstance(v, torch.Tensor):
                     captured |= _storages(v) - arg_storages
-        out_storages: set = set()
-        for o in outs:
-            s = _storages(node_value(o.as_proxy().node))
-            if s & (arg_storages | captured | out_storages):
-                safe = False  # returns (a view of) an input, a closed-over value or another output
-            out_storages |= s
-        if any(t._version != v for t, v in zip(probe.inputs, probe.versions)):
-            safe = False  # mutates an input
+        if not _body_is_pure(tx, new, [o.as_proxy().node for o in outs], probe.inputs):
+            safe = False
         if not _disjoint(probe.inputs, frozenset(captured)):
             safe = False
     state.verdicts[probe.key] = _Verdict(safe, frozenset(captured))
+
+
+def _body_is_pure(tx, new: list[fx.Node], outputs: list[fx.Node], args: list) -> bool:
+    """The body Dynamo just traced (its ``new`` nodes) returns no (view of an)
+    input, closed-over value or other output, and writes to no argument
+    (``args``: the arguments' fake values).  Note: [Deciding that a body writes
+    to or aliases an input] in :mod:`localmap_fx.analysis`."""
+    body = [n for n in new if n.op != "placeholder"]
+    inputs, _ = span_io(body)
+    inside = set(body)
+    inputs += [o for o in dict.fromkeys(outputs) if o not in inside and o not in inputs]  # returned as is
+    try:
+        graph, owner = copy_nodes(body, inputs, outputs, tx.output.get_submodule,
+                                  [f"in{i}" for i in range(len(inputs))])
+    except (AttributeError, KeyError):  # a get_attr we cannot read back: cannot tell
+        return False
+    effects = find_effects(graph, owner, [node_value(a) for a in inputs])
+    if effects.error is not None or effects.output_aliases:
+        return False
+    arg_ids = {id(t) for t in args}
+    return not any(id(node_value(inputs[i])) in arg_ids for i, _ in effects.written_inputs())
 
 
 @torch._dynamo.assume_constant_result

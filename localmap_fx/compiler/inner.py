@@ -46,13 +46,14 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     import torch
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
 
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         # The AOT-graph stage of the pipeline (see compiler.pipeline.STAGES):
         # Inductor plans buffers as if subgraph outputs never alias inputs.
-        g = hoist_subgraph_views(g)
+        g = apply(hoist_subgraph_views, g)
         if opts.on_aot_graph is not None:
             opts.on_aot_graph(kind, g)
         compiled = compile_fx_inner(g, inputs, **kwargs)

@@ -98,5 +98,6 @@ def compile_pieces(
             target, meta["layer"], compiled.compiled_as,
             _digest(key) if key is not None else "-", meta["reason"], n_nodes,
         ))
-    outer.recompile()
+    # No recompile: the graph is unchanged, and its code looks each piece up
+    # as ``self.piece_<i>`` when it runs, so it calls the compiled ones.
     return outer, reports

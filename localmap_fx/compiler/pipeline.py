@@ -33,8 +33,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..lowering import lower
-from ..passes import Pass, run_passes
+from ..lowering import lower_boundaries as _lower_boundaries
+from ..passes import Pass, PassResult, run_passes
 from ..passes.fuse_boundaries import fuse_boundaries
 from ..passes.inline_shared_bodies import inline_shared_bodies
 from ..passes.outline_regions import outline_regions
@@ -73,8 +73,8 @@ def _outlines(opts: BackendOptions) -> bool:
 def graph_passes(opts: BackendOptions) -> list[Pass]:
     """The graph-to-graph stages of :data:`STAGES` that ``opts`` turns on, in order."""
 
-    def lower_boundaries(gm: fx.GraphModule) -> fx.GraphModule:
-        return lower(gm, typecheck=opts.typecheck)
+    def lower_boundaries(gm: fx.GraphModule) -> PassResult:
+        return _lower_boundaries(gm, typecheck=opts.typecheck)
 
     ps: list[Pass] = [outline_regions if _outlines(opts) else inline_shared_bodies, lower_boundaries]
     if opts.fuse_boundaries:

@@ -31,22 +31,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import call_site_of, custom_meta, fetch_attr, is_collective, node_value
+from ..graph_utils import call_site_of, custom_meta, is_collective, node_value, schema_args, subgraph_calls
 from ..region import META_INDEX, META_REGION_ID, META_ROLE, META_SPEC
 from .tables import size_value, tensor_desc
 
 __all__ = ["collective_rows"]
-
-
-def _schema_args(node: fx.Node) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    target: Any = node.target  # an OpOverload (see is_collective)
-    for i, a in enumerate(target._schema.arguments):
-        if i < len(node.args):
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-    return out
 
 
 def _nbytes(val: Any) -> int | str | None:
@@ -61,26 +50,12 @@ def _nbytes(val: Any) -> int | str | None:
     return size_value(val.numel() * val.element_size())
 
 
-def _subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
-    """GraphModules a higher-order call runs (``invoke_subgraph``'s body, say)."""
-    subs = []
-    for a in node.args:
-        if isinstance(a, fx.Node) and a.op == "get_attr":
-            try:
-                obj = fetch_attr(gm, a.target)
-            except AttributeError:
-                continue
-            if isinstance(obj, fx.GraphModule):
-                subs.append(obj)
-    return subs
-
-
 def _walk(gm: fx.GraphModule, outer: fx.Node | None = None, depth: int = 0):
     """(node, enclosing call) for every node, descending into subgraphs at each call."""
     for node in gm.graph.nodes:
         yield node, outer
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) and depth < 8:
-            for sub in _subgraph_calls(gm, node):
+            for _, sub in subgraph_calls(gm, node):
                 yield from _walk(sub, outer or node, depth + 1)
 
 
@@ -137,7 +112,7 @@ def collective_rows(
     for node, outer in _walk(gm):
         if not is_collective(node):
             continue
-        args = _schema_args(node)
+        args = schema_args(node.target, node.args, dict(node.kwargs))
         group = args.get("group_name")
         group = getattr(group, "group_name", group)
         group = None if group is None else str(group)

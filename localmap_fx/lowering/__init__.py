@@ -1,12 +1,13 @@
 """Boundary lowering: to_local / from_local / redistribute made explicit."""
 
-from .boundaries import Boundary, find_boundaries, lower, rewrite_boundary
+from .boundaries import Boundary, find_boundaries, lower, lower_boundaries, rewrite_boundary
 from .plan import RedistributePlan, RedistributeStep, plan_redistribute
 
 __all__ = [
     "Boundary",
     "find_boundaries",
     "lower",
+    "lower_boundaries",
     "rewrite_boundary",
     "RedistributePlan",
     "RedistributeStep",

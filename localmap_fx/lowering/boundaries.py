@@ -19,7 +19,8 @@ defaults (what eager's ``to_local()`` / ``from_local()`` use); for
 types, checked on fake tensors at compile time.
 
 :func:`find_boundaries` only reads the graph; :func:`rewrite_boundary` edits
-one boundary; :func:`lower` runs both for every region.
+one boundary; the pass :func:`lower_boundaries` runs both for every region,
+and :func:`lower` (public) applies it and returns the recompiled module.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Placement
 
 from ..graph_utils import is_from_local, is_redistribute, is_to_local, node_value
+from ..passes import PassResult, apply
 from ..region import META_LOWERED, META_PLAN, Region, find_regions, index_of
 from ..spmd.check import out_grad_placements_for, typed_in_grad_placements
 from .plan import RedistributePlan, plan_redistribute
 
-__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower"]
+__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower_boundaries", "lower"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,16 +143,24 @@ def rewrite_boundary(b: Boundary) -> None:
     node.meta[META_LOWERED] = True
 
 
-def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:
-    """Make every region boundary of ``gm`` explicit (see module docstring).
+def lower_boundaries(gm: fx.GraphModule, typecheck: str = "regions") -> PassResult:
+    """The pass: make every region boundary of ``gm`` explicit (see module docstring).
 
     ``typecheck``: "regions" type-checks regions that asked for it
     (spmd_types=True), "all" checks every region, "off" none.
     """
-    for b in find_boundaries(gm, typecheck=typecheck):
+    regions = find_regions(gm)
+    boundaries = find_boundaries(gm, regions, typecheck=typecheck)
+    for b in boundaries:
         rewrite_boundary(b)
     # regions inside nested subgraphs (checkpoint bodies...) live in submodules
-    for m in gm.modules():
-        if isinstance(m, fx.GraphModule):
-            m.recompile()
-    return gm
+    edited = {b.region for b in boundaries}
+    return PassResult.of(gm, ((r.owner or gm) for k, r in enumerate(regions) if k in edited))
+
+
+def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:
+    """Make every region boundary of ``gm`` explicit; returns ``gm``, recompiled.
+
+    :func:`lower_boundaries` run through :func:`localmap_fx.passes.apply`.
+    """
+    return apply(lambda g: lower_boundaries(g, typecheck), gm)

@@ -12,6 +12,8 @@ placements it already has).  This pass feeds A's local output to B directly::
     b = body_B(l)                                        b = body_B(o)
 
 It runs after :func:`localmap_fx.lower`, when grad placements are explicit.
+Round trips inside nested subgraphs (a checkpoint body) are removed in their
+own graph; the result names every module whose graph changed.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch.fx as fx
 
 from ..graph_utils import is_from_local, is_to_local, node_value
 from ..region import META_LOWERED, role_of
+from . import PassResult
 
 __all__ = ["RoundTrip", "find_round_trips", "remove_round_trip", "fuse_boundaries"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RoundTrip:
+    owner: fx.GraphModule  # the module whose graph holds both nodes
     from_local: fx.Node
     to_local: fx.Node
 
@@ -35,8 +39,11 @@ class RoundTrip:
 def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
     """Round trips in ``gm.graph`` and in every nested subgraph (each stays in its graph)."""
     out = []
-    graphs = [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)]
-    for node in (n for g in dict.fromkeys(graphs) for n in g.nodes):
+    owners: dict[int, fx.GraphModule] = {}  # one module per graph, the first found
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            owners.setdefault(id(m.graph), m)
+    for owner, node in ((m, n) for m in owners.values() for n in m.graph.nodes):
         if not (is_to_local(node) and role_of(node) == "enter"):
             continue
         src = node.args[0]
@@ -51,12 +58,13 @@ def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
         local, dst = node_value(src.args[0]), node_value(node)
         if local is None or dst is None or local.device != dst.device or local.dtype != dst.dtype:
             continue
-        out.append(RoundTrip(src, node))
+        out.append(RoundTrip(owner, src, node))
     return out
 
 
-def remove_round_trip(gm: fx.GraphModule, rt: RoundTrip) -> None:
-    graph = rt.to_local.graph  # gm's graph or a nested subgraph's
+def remove_round_trip(rt: RoundTrip) -> None:
+    """Feed the local tensor to the ``to_local``'s users; drop the ``from_local`` if now unused."""
+    graph = rt.owner.graph  # the root graph or a nested subgraph's
     local = rt.from_local.args[0]
     if not isinstance(local, fx.Node):
         raise AssertionError(f"from_local {rt.from_local.name} has no local tensor node")
@@ -66,11 +74,9 @@ def remove_round_trip(gm: fx.GraphModule, rt: RoundTrip) -> None:
         graph.erase_node(rt.from_local)
 
 
-def fuse_boundaries(gm: fx.GraphModule) -> fx.GraphModule:
-    for rt in find_round_trips(gm):
-        remove_round_trip(gm, rt)
-    for m in gm.modules():
-        if isinstance(m, fx.GraphModule):
-            m.graph.lint()
-            m.recompile()
-    return gm
+def fuse_boundaries(gm: fx.GraphModule) -> PassResult:
+    """Remove every round trip of ``gm`` (see module docstring)."""
+    trips = find_round_trips(gm)
+    for rt in trips:
+        remove_round_trip(rt)
+    return PassResult.of(gm, (rt.owner for rt in trips))

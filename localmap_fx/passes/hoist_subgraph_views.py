@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.fx.passes.reinplace import _is_view_op
 
 from ..graph_utils import node_value
+from . import PassResult
 
 __all__ = ["SubgraphViewOutput", "find_subgraph_view_outputs", "hoist_view_output", "hoist_subgraph_views"]
 
@@ -121,12 +122,9 @@ def hoist_view_output(gm: fx.GraphModule, match: SubgraphViewOutput) -> fx.Node:
     return value
 
 
-def hoist_subgraph_views(gm: fx.GraphModule) -> fx.GraphModule:
+def hoist_subgraph_views(gm: fx.GraphModule) -> PassResult:
     """Hoist every ``invoke_subgraph`` output that views a subgraph input (see the note above)."""
     matches = find_subgraph_view_outputs(gm)
     for match in matches:
         hoist_view_output(gm, match)
-    if matches:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return PassResult.of(gm, [gm] if matches else [])

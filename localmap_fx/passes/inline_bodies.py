@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from ..graph_utils import CUSTOM, fetch_attr, subgraph_attr
 from ..region import META_REGION
+from . import PassResult
 
 __all__ = ["OutlinedCall", "find_outlined_calls", "inline_body", "inline_bodies", "splice_subgraph_call"]
 
@@ -101,14 +102,12 @@ def splice_subgraph_call(owner: fx.GraphModule, call: fx.Node, annotation: dict 
         graph.erase_node(attr)
 
 
-def inline_bodies(gm: fx.GraphModule) -> fx.GraphModule:
+def inline_bodies(gm: fx.GraphModule) -> PassResult:
     """Inline every outlined region body of ``gm``."""
     calls = find_outlined_calls(gm)
     if not calls:
-        return gm
+        return PassResult(gm)
     for oc in calls:
         inline_body(gm, oc)
-    gm.graph.lint()
     gm.delete_all_unused_submodules()
-    gm.recompile()
-    return gm
+    return PassResult.of(gm, [gm])

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from ..graph_utils import CUSTOM
 from ..region import find_regions, shared_body_call
+from . import PassResult
 from .inline_bodies import splice_subgraph_call
 
 __all__ = [
@@ -58,12 +59,12 @@ def inline_shared_call(sc: SharedCall) -> None:
     splice_subgraph_call(sc.owner, sc.call, annotation=dict(sc.call.meta.get(CUSTOM) or {}))
 
 
-def inline_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
+def inline_shared_bodies(gm: fx.GraphModule) -> PassResult:
     """Inline every shared region body (see module docstring)."""
     return _inline(gm, nested_only=False)
 
 
-def inline_nested_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
+def inline_nested_shared_bodies(gm: fx.GraphModule) -> PassResult:
     """Inline the shared bodies of regions inside nested subgraphs only.
 
     ``outline_regions`` runs it first, as it keeps those regions inline: an
@@ -74,13 +75,10 @@ def inline_nested_shared_bodies(gm: fx.GraphModule) -> fx.GraphModule:
     return _inline(gm, nested_only=True)
 
 
-def _inline(gm: fx.GraphModule, nested_only: bool) -> fx.GraphModule:
-    for sc in find_shared_calls(gm, nested_only):
+def _inline(gm: fx.GraphModule, nested_only: bool) -> PassResult:
+    calls = find_shared_calls(gm, nested_only)
+    for sc in calls:
         inline_shared_call(sc)
-    for m in gm.modules():
-        if isinstance(m, fx.GraphModule):
-            m.graph.lint()
-            m.recompile()
-    return gm
+    return PassResult.of(gm, (sc.owner for sc in calls))
 
 

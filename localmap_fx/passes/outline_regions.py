@@ -29,21 +29,20 @@ import dataclasses
 import functools
 import operator
 import re
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._python_dispatch
 
+from ..analysis import find_effects, storage_key, structural_key
 from ..graph_utils import fetch_attr, getitem_users, is_symbolic, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
+from . import PassResult
 from .inline_shared_bodies import inline_nested_shared_bodies
 
 __all__ = [
     "OutlineMatch",
-    "find_input_writes",
     "find_outline_matches",
     "outline_region",
     "outline_regions",
@@ -60,50 +59,6 @@ class OutlineMatch:
     shared_call: fx.Node | None = None
 
 
-def _storage_key(t):
-    try:
-        return t.untyped_storage()._cdata
-    except Exception:
-        return None
-
-
-def _arg_repr(a, env):
-    if isinstance(a, fx.Node):
-        return env.get(a, ("ext", a.name))
-    if isinstance(a, (list, tuple)):
-        return type(a).__name__, tuple(_arg_repr(x, env) for x in a)
-    if isinstance(a, dict):
-        return tuple((k, _arg_repr(v, env)) for k, v in a.items())
-    if isinstance(a, torch.Tensor):
-        return ("tensor", id(a))
-    return repr(a)
-
-
-def _structural_key(graph: fx.Graph, attr: Callable[[str], Any]) -> tuple:
-    """Equal keys mean the two bodies compute the same thing on same-shaped inputs.
-
-    ``attr`` reads a ``get_attr`` target of ``graph``."""
-    env: dict[fx.Node, tuple] = {}
-    parts: list[tuple] = []
-    for i, n in enumerate(graph.nodes):
-        env[n] = ("n", i)
-        if n.op == "placeholder":
-            v = _val(n)
-            # str(): sizes may be SymInts (dynamic shapes), which do not hash
-            meta = (
-                (str(tuple(v.shape)), str(tuple(v.stride())), v.dtype, v.requires_grad)
-                if isinstance(v, torch.Tensor)
-                else repr(v)
-            )
-            parts.append(("ph", meta))
-        elif n.op == "get_attr":
-            parts.append(("attr", id(attr(str(n.target)))))
-        else:
-            parts.append((n.op, n.target if isinstance(n.target, str) else id(n.target),
-                          _arg_repr(n.args, env), _arg_repr(n.kwargs, env)))
-    return tuple(parts)
-
-
 def _skip_reason(region: Region) -> str | None:
     if region.scope:
         # the body would have to live in that subgraph's module: keep it
@@ -118,85 +73,31 @@ def _skip_reason(region: Region) -> str | None:
         return "symbolic sizes (dynamic shapes)"
     in_storages: dict[object, str] = {}
     for n in inputs:
-        v = _val(n)
-        if isinstance(v, torch.Tensor):
-            k = _storage_key(v)
-            if k is not None and k in in_storages:
-                return f"inputs {in_storages[k]} and {n.name} share storage"
-            in_storages[k] = n.name
+        k = storage_key(_val(n))
+        if k is None:
+            continue
+        if k in in_storages:
+            return f"inputs {in_storages[k]} and {n.name} share storage"
+        in_storages[k] = n.name
     for o in region.outputs:
         if o in inputs:
             return f"returns its input {o.name}"
-        v = _val(o)
-        if isinstance(v, torch.Tensor) and _storage_key(v) in in_storages:
+    # Note: [Deciding that a body writes to or aliases an input] (localmap_fx.analysis)
+    effects = find_effects(region.body_graph, region.body_owner, [_val(n) for n in inputs])
+    if effects.error is not None:
+        return f"writes to input ? in place ({effects.error})"  # cannot tell: inline is always right
+    for j, o in enumerate(region.outputs):
+        if effects.aliased_input(j) is not None:
             return f"output {o.name} aliases an input"
-    written = find_input_writes(region)
+    written = effects.written_inputs()
     if written:
-        return f"writes to input {written[0]} in place ({written[1]})"
+        i, op = written[0]
+        return f"writes to input {inputs[i].name} in place ({op})"
     return None
 
 
-class _WriteRecorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records aten ops that write (schema alias info) into watched storages."""
-
-    def __init__(self, watched: dict) -> None:
-        super().__init__()
-        self.watched = watched  # storage key -> input name
-        self.hit: tuple[str, str] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.hit is None and func._schema.is_mutable:
-            for i, a in enumerate(func._schema.arguments):
-                if a.alias_info is None or not a.alias_info.is_write:
-                    continue
-                v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-                for t in v if isinstance(v, (list, tuple)) else (v,):
-                    if isinstance(t, torch.Tensor):
-                        name = self.watched.get(_storage_key(t))
-                        if name is not None:
-                            self.hit = (name, str(func.overloadpacket.__name__))
-        return func(*args, **kwargs)
-
-
-def find_input_writes(region: Region) -> tuple[str, str] | None:
-    """``(input name, aten op)`` of a write into a region input's storage, or None.
-
-    Note: [Deciding that a body mutates an input]
-        Names ending in ``_`` miss writes through a view of an input
-        (``x[0].add_(1)``, ``x.view(-1).mul_(2)``), ``out=`` arguments and
-        ``copy_``/``setitem``.  Instead the body runs once on fresh fake
-        tensors shaped like its inputs, and every aten op whose schema marks
-        an argument as written (``alias_info.is_write``: in-place, ``out=``,
-        ``copy_``, ``index_put_`` ...) is checked against the storages of the
-        inputs.  A body that cannot be run that way counts as mutating (kept
-        inline: inline is always right).
-    """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    vals = [_val(i.node) for i in region.inputs]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or FakeTensorMode(
-        allow_non_fake_inputs=True
-    )
-    names = [i.node.name for i in region.inputs]
-    with mode:
-        fakes = [
-            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-            if isinstance(v, torch.Tensor)
-            else v
-            for v in vals
-        ]
-    watched = {
-        _storage_key(f): n for f, n in zip(fakes, names) if isinstance(f, torch.Tensor)
-    }
-    recorder = _WriteRecorder(watched)
-    try:
-        with mode, recorder, torch.no_grad():
-            fx.Interpreter(region.body_owner, graph=region.body_graph).run(*fakes)
-    except Exception as e:  # noqa: BLE001 - cannot tell: keep the body inline
-        return ("?", f"not analyzable: {type(e).__name__}")
-    return recorder.hit
+def _body_key(graph: fx.Graph, owner: torch.nn.Module) -> tuple:
+    return structural_key(list(graph.nodes), functools.partial(getattr, owner))
 
 
 def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:
@@ -208,11 +109,11 @@ def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:
         if shared is not None and not region.scope:
             # Dynamo already checked it (no aliasing, mutation or graph break)
             inner = fetch_attr(region.owner or gm, subgraph_attr(shared).target)
-            key = _structural_key(inner.graph, functools.partial(getattr, inner))
+            key = _body_key(inner.graph, inner)
             matches.append(OutlineMatch(region, key, None, shared))
             continue
         reason = _skip_reason(region)
-        key = () if reason else _structural_key(region.body_graph, functools.partial(getattr, region.body_owner))
+        key = () if reason else _body_key(region.body_graph, region.body_owner)
         matches.append(OutlineMatch(region, key, reason))
     return matches
 
@@ -279,19 +180,20 @@ def adopt_shared_call(gm: fx.GraphModule, match: OutlineMatch, sub_name: str, id
     return call
 
 
-def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
+def outline_regions(gm: fx.GraphModule) -> PassResult:
     """Outline every region body that can be; identical bodies share one subgraph.
 
     Shared bodies inside nested subgraphs are inlined first (they stay
     inline there, see :func:`inline_nested_shared_bodies`).
     """
-    gm = inline_nested_shared_bodies(gm)
+    changed = list(inline_nested_shared_bodies(gm).changed)
     by_key: dict[tuple, tuple[str, str]] = {}
     dynamo_names: set[str] = set()
     n_sub = sum(1 for name, _ in gm.named_children() if name.startswith("localmap_fx_body_"))
     for match in find_outline_matches(gm):
         if match.skip_reason is not None:
             continue
+        changed.append(gm)
         if match.key not in by_key:
             name = f"localmap_fx_body_{n_sub}"
             n_sub += 1
@@ -312,6 +214,4 @@ def outline_regions(gm: fx.GraphModule) -> fx.GraphModule:
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for name in dynamo_names - used:
         delattr(gm, name)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return PassResult.of(gm, changed)

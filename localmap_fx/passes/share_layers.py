@@ -32,9 +32,12 @@ Note: [Layer spans and their key]
 
 Note: [When a layer is not shared]
     A span is compiled inline (as its own piece, or with the whole graph)
-    and the reason recorded when it mutates a value in place (in-place op,
-    ``setitem``, ``copy_``), when one of its outputs is (a view of) one of
-    its inputs, when its key differs from the other layers' (placements,
+    and the reason recorded when it writes into any value (an aten op whose
+    schema writes an argument: in-place, ``out=``, ``setitem``, ``copy_``),
+    when one of its outputs is (a view of) one of its inputs -- both decided
+    by running the span once on fresh fakes (Note: [Deciding that a body
+    writes to or aliases an input] in :mod:`localmap_fx.analysis`), once per
+    distinct key -- when its key differs from the other layers' (placements,
     mesh, shapes, dtypes, ``requires_grad``, code), or when shapes are
     symbolic.  Graph breaks need no rule: each Dynamo graph is split on its
     own, so a span never crosses one.
@@ -43,6 +46,7 @@ Note: [When a layer is not shared]
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import operator
 from collections.abc import Sequence
@@ -51,7 +55,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import fetch_attr, is_to_local, node_value
+from ..analysis import Effects, copy_nodes, find_effects, span_io, structural_key
+from ..graph_utils import fetch_attr, is_symbolic, is_to_local, node_value
 from ..region import find_regions
 
 __all__ = [
@@ -156,144 +161,67 @@ def _best_period(kinds: Sequence[tuple]) -> tuple[int, int, int] | None:
     return best
 
 
-def mesh_key(mesh: Any) -> tuple:
-    """Equal for meshes over the same ranks, dims and process groups (Dynamo's
-    fake DTensors may hold different DeviceMesh objects for one mesh)."""
-    return (
-        mesh.device_type,
-        tuple(mesh.mesh.flatten().tolist()),
-        tuple(mesh.mesh.shape),
-        tuple(mesh.mesh_dim_names or ()),
-        tuple(getattr(mesh, "_dim_group_names", ()) or ()),
-    )
-
-
-def _value_meta(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
-        base = (str(tuple(v.shape)), str(tuple(v.stride())), v.dtype, str(v.device), v.requires_grad)
-        if isinstance(v, DTensor):
-            loc = v._local_tensor
-            return ("dtensor", base, tuple(v.placements), mesh_key(v.device_mesh),
-                    str(tuple(loc.shape)), str(tuple(loc.stride())))
-        return ("tensor", base)
-    if isinstance(v, (int, float, bool, str, type(None))):
-        return ("const", repr(v))
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(v, DeviceMesh):
-        return ("mesh", mesh_key(v))
-    return ("object", type(v).__name__, id(v))
-
-
-def _target_key(n: fx.Node) -> Any:
-    if isinstance(n.target, str):
-        return n.target
-    return (getattr(n.target, "__module__", None), getattr(n.target, "__qualname__", None), id(n.target))
-
-
-def _arg_key(a: Any, local: dict[fx.Node, Any]) -> Any:
-    if isinstance(a, fx.Node):
-        return local[a]
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_arg_key(x, local) for x in a))
-    if isinstance(a, dict):
-        return ("dict", tuple((k, _arg_key(v, local)) for k, v in a.items()))
-    if isinstance(a, torch.Tensor):
-        return ("tensor", id(a))
-    return ("const", type(a).__name__, repr(a))
-
-
-def span_io(nodes: Sequence[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(inputs, outputs) of a span: outside nodes it reads, in first-use order;
-    its nodes read outside it, in program order."""
-    inside = set(nodes)
-    inputs: list[fx.Node] = []
-    seen: set[fx.Node] = set()
+def _symbolic(nodes: Sequence[fx.Node]) -> str | None:
     for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in seen:
-                seen.add(a)
-                inputs.append(a)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    return inputs, outputs
-
-
-# Ops whose result may share storage with their first argument.
-_ALIAS_OPS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "t", "T", "mT", "transpose", "permute", "expand",
-    "expand_as", "narrow", "select", "squeeze", "unsqueeze", "flatten", "unflatten", "detach",
-    "getitem", "__getitem__", "as_strided", "split", "chunk", "unbind", "diagonal", "movedim",
-    "swapaxes", "contiguous", "alias", "to_local", "from_local", "wait", "wait_tensor", "real", "imag",
-    "to", "type_as",
-})
-
-
-def _op_name(n: fx.Node) -> str:
-    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-
-
-def _alias_source(n: fx.Node, inputs: set) -> fx.Node | None:
-    """The span input ``n`` may be a view of (through view ops only), else None."""
-    while True:
-        if n in inputs:
-            return n
-        if n.op not in ("call_function", "call_method") or _op_name(n) not in _ALIAS_OPS:
-            return None
-        if not n.args or not isinstance(n.args[0], fx.Node):
-            return None
-        n = n.args[0]
-
-
-def _unshareable(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs) -> str | None:
-    for n in nodes:
-        if n.op == "call_function" and n.target in (operator.setitem,):
-            return f"{n.name} mutates a value (setitem)"
-        name = _op_name(n)
-        if name.endswith("_") and not name.startswith("_") or name in ("copy_", "set_"):
-            return f"{n.name} mutates a value in place ({name})"
-        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-            return f"{n.name} mutates a value in place ({n.target})"
         v = node_value(n)
-        for s in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(s, torch.SymInt) or (
-                isinstance(s, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in s.shape)
-            ):
-                return f"{n.name} has symbolic shapes"
-    # Structural, not by storage: nodes copied from one shared body carry
-    # the same fake values, so storages would look shared between layers.
-    input_set = set(inputs)
-    for o in outputs:
-        src = _alias_source(o, input_set)
-        if src is not None:
-            return f"output {o.name} aliases input {src.name}"
+        if any(is_symbolic(s) for s in (v if isinstance(v, (list, tuple)) else (v,))):
+            return f"{n.name} has symbolic shapes"
     return None
 
 
-def span_key(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> tuple[tuple | None, str | None]:
-    """(key, None) for a shareable span, (None, reason) otherwise."""
+@dataclasses.dataclass(frozen=True)
+class _SpanEffects:
+    """:func:`find_effects` of a span's copy; ``position`` maps a copied node's name to its index in the span."""
+
+    effects: Effects
+    position: dict[str, int]
+
+
+def _span_effects(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs) -> _SpanEffects:
+    graph, owner = copy_nodes(nodes, inputs, outputs, functools.partial(fetch_attr, gm),
+                              [f"in{i}" for i in range(len(inputs))])
+    copied = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    effects = find_effects(graph, owner, [node_value(a) for a in inputs])
+    return _SpanEffects(effects, {n.name: j for j, n in enumerate(copied)})
+
+
+def _unshareable(nodes: Sequence[fx.Node], inputs, outputs, found: _SpanEffects) -> str | None:
+    """Why a span must not be shared, from its effects (Note: [Deciding that a
+    body writes to or aliases an input] in localmap_fx.analysis), else None."""
+    effects = found.effects
+    if effects.error is not None:
+        return f"writes and aliases unknown ({effects.error})"
+    if effects.writes:
+        w = effects.writes[0]
+        return f"{nodes[found.position[w.node]].name} mutates a value in place ({w.op})"
+    for j, o in enumerate(outputs):
+        i = effects.aliased_input(j)
+        if i is not None:
+            return f"output {o.name} aliases input {inputs[i].name}"
+    return None
+
+
+def span_key(
+    gm: fx.GraphModule, nodes: Sequence[fx.Node], cache: dict[tuple, _SpanEffects] | None = None
+) -> tuple[tuple | None, str | None]:
+    """(key, None) for a shareable span, (None, reason) otherwise.
+
+    ``cache`` keeps each key's effects for the next span with that key (equal
+    keys: the same code on inputs with the same metadata, so the same effects).
+    """
     inputs, outputs = span_io(nodes)
-    reason = _unshareable(gm, nodes, inputs, outputs)
+    reason = _symbolic(nodes)
     if reason is not None:
         return None, reason
-    local: dict[fx.Node, Any] = {}
-    parts: list[Any] = []
-    for i, a in enumerate(inputs):
-        local[a] = ("in", i)
-        parts.append(("in", _value_meta(node_value(a))))
-    out_set = set(outputs)
-    for j, n in enumerate(nodes):
-        local[n] = ("n", j)
-        if n.op == "get_attr":
-            parts.append(("attr", id(fetch_attr(gm, n.target))))
-            continue
-        parts.append((n.op, _target_key(n), _arg_key(n.args, local), _arg_key(n.kwargs, local),
-                      n in out_set))
-    return tuple(parts), None
+    key = structural_key(nodes, functools.partial(fetch_attr, gm), inputs, set(outputs))
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _span_effects(gm, nodes, inputs, outputs)
+    reason = _unshareable(nodes, inputs, outputs, cache[key])
+    return (None, reason) if reason is not None else (key, None)
 
 
-def _align_to_majority(gm, nodes, bounds, keys):
+def _align_to_majority(gm, nodes, bounds, keys, cache):
     """Trim spans that are longer than the most common layer to its length.
 
     The first layer often starts with extra nodes (``to_local`` of the model
@@ -314,7 +242,7 @@ def _align_to_majority(gm, nodes, bounds, keys):
         if key == major or b - a <= length:
             continue
         for a2, b2 in ((b - length, b), (a, a + length)):
-            k2, r2 = span_key(gm, nodes[a2:b2])
+            k2, r2 = span_key(gm, nodes[a2:b2], cache)
             if k2 == major:
                 out_b[i], out_k[i] = (a2, b2), (k2, r2)
                 break
@@ -350,13 +278,14 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     starts = [first_node(regions[s + i * p]) for i in range(k)]
     stops = starts[1:] + [min(len(nodes), starts[-1] + (starts[-1] - starts[-2]))]
     bounds = list(zip(starts, stops))
-    keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
-    bounds, keys = _align_to_majority(gm, nodes, bounds, keys)
+    cache: dict = {}  # effects per key: each distinct span is run once
+    keys = [span_key(gm, nodes[a:b], cache) for a, b in bounds]
+    bounds, keys = _align_to_majority(gm, nodes, bounds, keys, cache)
     hoisted, nodes, bounds = _hoist_weights(nodes, bounds)
     shift = _best_cut(nodes, bounds)
     if hoisted or shift:
         bounds = [(a + shift, min(len(nodes), b + shift)) for a, b in bounds]
-        keys = [span_key(gm, nodes[a:b]) for a, b in bounds]
+        keys = [span_key(gm, nodes[a:b], cache) for a, b in bounds]
     spans = []
     # A span shares only with another span of the same key.
     counts: dict[tuple, int] = {}
@@ -421,19 +350,9 @@ def _hoist_weights(nodes: list[fx.Node], bounds: list[tuple[int, int]]):
 
 
 def _copy_span(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs, name: str) -> fx.GraphModule:
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    owner = torch.nn.Module()
-    for i, a in enumerate(inputs):
-        ph = g.placeholder(f"in{i}_{a.name}")
-        ph.meta = dict(a.meta)
-        env[a] = ph
-    for n in nodes:
-        if n.op == "get_attr":
-            setattr(owner, str(n.target), fetch_attr(gm, str(n.target)))
-        env[n] = g.node_copy(n, lambda x: env[x])
-    g.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(owner, g, class_name=name)
+    names = [f"in{i}_{a.name}" for i, a in enumerate(inputs)]
+    graph, owner = copy_nodes(nodes, inputs, outputs, functools.partial(fetch_attr, gm), names)
+    return fx.GraphModule(owner, graph, class_name=name)
 
 
 _Cut = tuple[int, int, tuple[LayerSpan, ...]]

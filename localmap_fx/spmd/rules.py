@@ -68,9 +68,8 @@ import spmd_types as spmd
 import torch
 import torch.utils._pytree as pytree
 from spmd_types import I, P, R, V
-from torch._ops import OpOverload
 
-from ..graph_utils import NON_COLLECTIVE_OPS, funcol_op
+from ..graph_utils import NON_COLLECTIVE_OPS, funcol_op, schema_args
 
 __all__ = [
     "CollectiveRule",
@@ -418,17 +417,6 @@ def _fmt_type(t: dict) -> str:
     return "{" + ", ".join(f"{format_axis(a)}: {v.name}" for a, v in t.items()) + "}"
 
 
-def _bind(func, args: tuple, kwargs: dict) -> dict:
-    schema = func._schema if isinstance(func, OpOverload) else func.default._schema
-    bound = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(args):
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-    return bound
-
-
 def _run_unchecked(func, args, kwargs):
     with spmd.no_typecheck():
         return func(*args, **kwargs)
@@ -441,7 +429,7 @@ def _stamp(out, local_type: dict | None) -> None:
 
 def _apply_collective(func, op: str, args: tuple, kwargs: dict, mode=None):
     tensor_arg, reduce_arg, group_arg = _ARGS[op]
-    bound = _bind(func, args, kwargs)
+    bound = schema_args(func, args, kwargs)
     reduce_op = bound.get(reduce_arg) if reduce_arg else None
     rule = rule_for(op, reduce_op)
     if rule is None:  # pragma: no cover - every op in _ARGS has rows
