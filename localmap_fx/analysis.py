@@ -39,6 +39,7 @@ Note: [Deciding that a body writes to or aliases an input]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -348,13 +349,18 @@ def find_effects(graph: fx.Graph, owner: torch.nn.Module, values: Sequence[Any])
 
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
+    # At trace time the mode is Dynamo's: sizes the run makes up (.tolist(),
+    # all_to_all splits) must not become unbacked symbols the graph owes it.
+    fresh_symbols_dropped = (
+        mode.shape_env.ignore_fresh_unbacked_symbols() if mode.shape_env is not None else contextlib.nullcontext()
+    )
     try:
-        with mode, torch.no_grad():
+        with mode, torch.no_grad(), fresh_symbols_dropped:
             fakes = [_fresh(v) for v in values]
-        in_keys = [storage_key(f) for f in fakes]
-        recorder = _WriteRecorder({k for k in in_keys if k is not None})
-        with mode, recorder, torch.no_grad():
-            out = _Runner(owner, graph, recorder).run(*fakes)
+            in_keys = [storage_key(f) for f in fakes]
+            recorder = _WriteRecorder({k for k in in_keys if k is not None})
+            with recorder:
+                out = _Runner(owner, graph, recorder).run(*fakes)
     except Exception as e:  # noqa: BLE001 - cannot tell: the caller assumes the worst
         return Effects(error=f"not analyzable: {type(e).__name__}")
     index = {k: i for i, k in reversed(list(enumerate(in_keys))) if k is not None}

@@ -42,7 +42,6 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.passes.inline_shared_bodies",
     ),
     (
-        "localmap_fx.passes.inline_bodies",
         "localmap_fx.eager",
         "localmap_fx.capture.call",
         "localmap_fx.debug.tables",

@@ -469,31 +469,6 @@ def test_shared_layers_on_gloo_equal_eager():
     assert len(results[0]) == 2 * (1 + 1 + 3 + 3 + 1)
 
 
-def test_inline_bodies_undoes_outlining_and_keeps_regions():
-    from localmap_fx.passes import apply
-    from localmap_fx.passes.inline_bodies import find_outlined_calls, inline_bodies
-    from localmap_fx.region import find_regions
-
-    mesh = mesh_1d()
-    x, ws, bs = _state(mesh, 3)
-    gm = _capture(_step(_layer_fn(mesh)), x, ws, bs)
-    before = find_regions(gm)
-    assert len(find_outlined_calls(gm)) == 3 and all(r.outlined for r in before)
-    args = [x, mesh, *ws]
-    expected = gm(*args)[0].to_local()
-    gm = apply(inline_bodies, gm)
-    assert find_outlined_calls(gm) == []
-    assert not any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
-    after = find_regions(gm)
-    assert [r.spec for r in after] == [r.spec for r in before]
-    assert not any(r.outlined for r in after)
-    # each body is x @ w, tanh, + x again
-    assert [[getattr(n.target, "__name__", n.target) for n in r.body_nodes] for r in after] == [
-        ["matmul", "tanh", "add"]
-    ] * 3
-    assert torch.equal(gm(*args)[0].to_local(), expected)
-
-
 def test_graph_break_splits_the_stack_into_frames_each_shared_on_its_own():
     mesh = mesh_1d()
     layer = _layer_fn(mesh)

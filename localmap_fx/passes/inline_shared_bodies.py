@@ -23,10 +23,9 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..graph_utils import CUSTOM
+from ..graph_utils import CUSTOM, splice_subgraph_call
 from ..region import find_regions, shared_body_call
 from . import PassResult
-from .inline_bodies import splice_subgraph_call
 
 __all__ = [
     "SharedCall",
