@@ -90,7 +90,9 @@ def _from_local_ready(spec: Any) -> tuple | None:
 class EagerPlan:
     """What the eager path decides once per ``local_map`` function."""
 
-    __slots__ = ("in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts")
+    __slots__ = (
+        "in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts", "grad_fits", "out_fits",
+    )
 
     def __init__(self, lm: LocalMap) -> None:
         ins, grads = lm.in_placements, lm.in_grad_placements
@@ -113,6 +115,10 @@ class EagerPlan:
         # object means the same layout: the checks would pass again.
         # (held weakly: a DTensorSpec holds its mesh; Note: [Caches keyed on a mesh])
         self.known_layouts: dict = {}
+        # (index, mesh ndim, tensor ndim) of the arguments' in_grad_placements
+        # and the outputs' out_placements that passed their placement checks
+        self.grad_fits: set[tuple[int, int, int]] = set()
+        self.out_fits: set[tuple[int, int, int]] = set()
 
     def spmd_plan(self, lm: LocalMap, mesh):
         """The cached :class:`localmap_fx.spmd.types.SpmdPlan` for ``mesh``."""
@@ -146,19 +152,19 @@ def _redistribute_checked(arg: DTensor, idx: int, spec: Any) -> DTensor:
         ) from None
 
 
-def _check_grad_once(lm: LocalMap, idx: int, grad: Any, arg: DTensor) -> None:
+def _check_grad_once(plan: EagerPlan, idx: int, grad: Any, arg: DTensor) -> None:
     """validate.check_grad_spec_fits, once per function, argument and layout."""
     key = (idx, len(arg.placements), arg.ndim)
-    seen = lm.__dict__.setdefault("_grad_fits", set())
+    seen = plan.grad_fits
     if key not in seen:
         validate.check_grad_spec_fits(grad, idx, len(arg.placements), arg.ndim)
         seen.add(key)
 
 
-def _check_out_once(lm: LocalMap, idx: int, spec: Any, out: torch.Tensor, mesh) -> None:
+def _check_out_once(plan: EagerPlan, idx: int, spec: Any, out: torch.Tensor, mesh) -> None:
     """validate.check_out_spec_fits, once per function, output and layout."""
     key = (idx, mesh.ndim, out.ndim)
-    seen = lm.__dict__.setdefault("_out_fits", set())
+    seen = plan.out_fits
     if key not in seen:
         validate.check_out_spec_fits(spec, idx, mesh.ndim, out.ndim)
         seen.add(key)
@@ -215,7 +221,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 if type(grad) is not tuple:
                     grad = validate.check_dtensor_grad_spec(arg, idx, grad)
                 if not known:
-                    _check_grad_once(lm, idx, grad, arg)
+                    _check_grad_once(plan, idx, grad, arg)
             else:
                 grad = None
             if grad is None and lm.spmd_types:
@@ -316,7 +322,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
         if isinstance(o, DTensor) or not isinstance(o, _Tensor):
             validate.check_output_value(o, idx, spec)
         if isinstance(o, _Tensor):
-            _check_out_once(lm, idx, spec, o, mesh)
+            _check_out_once(plan, idx, spec, o, mesh)
             grad = None if grad_specs is None else grad_specs[idx]
             placements = ready[idx]
             if uneven_in:
