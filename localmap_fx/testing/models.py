@@ -128,12 +128,7 @@ def _attn_build(mesh, seed=0):
         in_grad_placements=([Partial()], [Shard(1)], [Shard(1)], [Shard(1)], None),
         device_mesh=mesh,
     )
-    proj = local_map(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-    )
+    _, proj = tp_block(mesh)  # its row-parallel region
     d = 4 * heads
     return {
         "x": _dist(_rand(seed, 6, d), mesh, [Replicate()]),
@@ -154,6 +149,12 @@ def _attn_step(s):
     return y.pow(2).mean()
 
 
+# --- one region fn(x, w), its output replicated and summed -------------------
+
+def _one_region_state(fn, mesh, x: DTensor, w: DTensor) -> dict:
+    return {"x": x, "w": w, "fns": (fn,), "mesh": mesh}
+
+
 # --- region with redistribute_inputs=True -------------------------------------
 
 def _scale_rows(x, w):
@@ -168,13 +169,10 @@ def _redistribute_build(mesh, seed=0):
         redistribute_inputs=True,
         device_mesh=mesh,
     )
-    return {
-        # x arrives Shard(1) and w Shard(0): both are redistributed on entry.
-        "x": _dist(_rand(seed, 8, 8), mesh, [Shard(1)]),
-        "w": _dist(_rand(seed + 1, 8, 8), mesh, [Shard(0)]),
-        "fns": (fn,),
-        "mesh": mesh,
-    }
+    # x arrives Shard(1) and w Shard(0): both are redistributed on entry.
+    return _one_region_state(
+        fn, mesh, _dist(_rand(seed, 8, 8), mesh, [Shard(1)]), _dist(_rand(seed + 1, 8, 8), mesh, [Shard(0)])
+    )
 
 
 def _redistribute_step(s):
@@ -187,12 +185,9 @@ def _redistribute_step(s):
 
 def _partial_grad_build(mesh, seed=0):
     fn, _ = tp_block(mesh)  # its column-parallel region
-    return {
-        "x": _dist(_rand(seed, 4, 8), mesh, [Replicate()]),
-        "w": _dist(_rand(seed + 1, 8, 8), mesh, [Shard(1)]),
-        "fns": (fn,),
-        "mesh": mesh,
-    }
+    return _one_region_state(
+        fn, mesh, _dist(_rand(seed, 4, 8), mesh, [Replicate()]), _dist(_rand(seed + 1, 8, 8), mesh, [Shard(1)])
+    )
 
 
 def _partial_grad_step(s):
