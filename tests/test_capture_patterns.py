@@ -176,7 +176,8 @@ def _spec_texts(regions):
 
 @pytest.mark.parametrize("wrapper", [_checkpointed, _selective], ids=["checkpoint", "selective"])
 def test_regions_under_checkpoint_found_lowered_and_dumped(wrapper, tmp_path):
-    rec = Recorder("aot_eager", dump_dir=str(tmp_path))
+    # share_layers=False: the outline_regions stage runs (else bodies stay inline)
+    rec = Recorder("aot_eager", dump_dir=str(tmp_path), share_layers=False)
     x, w1, w2 = _mlp_inputs()
     out = torch.compile(wrapper, backend=rec.backend, fullgraph=True)(x, w1, w2)
     out.sum().backward()
@@ -257,7 +258,7 @@ def test_repeated_regions_under_checkpoint_share_then_inline():
     g = torch.Generator().manual_seed(0)
     x = distribute_tensor(torch.randn(8, 8, generator=g), mesh_1d(), [Shard(0)]).requires_grad_()
     ws = [distribute_tensor(torch.randn(8, 8, generator=g), mesh_1d(), [Replicate()]).requires_grad_() for _ in range(4)]
-    rec = Recorder("aot_eager")
+    rec = Recorder("aot_eager", share_layers=False)  # runs outline_regions
     torch.compile(fn, backend=rec.backend, fullgraph=True)(x, *ws).backward()
     body = rec.stage("captured").wrap_body_0
     shared = [n for n in body.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
