@@ -587,7 +587,7 @@ def test_dynamic_shapes_keep_region_bodies_inline():
     ensure_fake_pg()
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
     m = MoE(MoEConfig(n_layers=2), mesh)
-    rec = Recorder("aot_eager")
+    rec = Recorder("aot_eager", share_layers=False)  # runs the outline_regions stage
     fn = torch.compile(m, backend=rec.backend, fullgraph=True)
     tokens, targets = m.make_inputs(4, 16)
     torch._dynamo.mark_dynamic(tokens, 1)
