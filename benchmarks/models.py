@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from localmap_fx.testing.models import ROW_GRAD_PLACEMENTS, layer_region, tp_block
 
 __all__ = ["local_map_impl", "build_tp_stack", "build_handwritten", "build_layer_stack"]
 
@@ -45,14 +47,6 @@ def local_map_impl(impl: str):
     raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
 
 
-def _col(x, w):
-    return torch.relu(x @ w)
-
-
-def _row(h, w):
-    return h @ w
-
-
 def _rand(seed: int, *shape: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g)
@@ -60,24 +54,12 @@ def _rand(seed: int, *shape: int) -> torch.Tensor:
 
 def tp_regions(impl: str, mesh, spmd_types: bool = False):
     """The column- and row-parallel regions of one TP block, with ``impl``'s local_map."""
-    lm = local_map_impl(impl)
-    col = lm(
-        _col,
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
-        device_mesh=mesh,
+    return tp_block(
+        mesh,
+        local_map_fn=local_map_impl(impl),
+        row_grads=ROW_GRAD_PLACEMENTS,
         spmd_types=spmd_types,
     )
-    row = lm(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        in_grad_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-        spmd_types=spmd_types,
-    )
-    return col, row
 
 
 def tp_stack_tensors(n_blocks: int, batch: int, d: int, hidden: int) -> dict:
@@ -174,20 +156,9 @@ def build_handwritten(mesh, n_blocks: int = 2, batch: int = 32, d: int = 128, hi
     return step, state
 
 
-def _layer(x, w):
-    return torch.tanh(x @ w) + x
-
-
 def build_layer_stack(mesh, impl: str, n_layers: int, d: int = 32, batch: int = 16):
     """``n_layers`` identical regions: x [S(0)] -> tanh(x @ w) + x, w [R]."""
-    lm = local_map_impl(impl)
-    layer = lm(
-        _layer,
-        out_placements=[Shard(0)],
-        in_placements=([Shard(0)], [Replicate()]),
-        in_grad_placements=([Shard(0)], [Partial()]),
-        device_mesh=mesh,
-    )
+    layer = layer_region(mesh, local_map_fn=local_map_impl(impl))
     x = distribute_tensor(_rand(0, batch, d), mesh, [Shard(0)]).requires_grad_()
     ws = [
         distribute_tensor(_rand(1 + i, d, d) / d**0.5, mesh, [Replicate()]).requires_grad_()

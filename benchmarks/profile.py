@@ -35,7 +35,8 @@ def main() -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from benchmarks.eager_bench import _regions
-    from benchmarks.models import _col, build_handwritten, build_tp_stack, zero_grads
+    from benchmarks.models import build_handwritten, build_tp_stack, zero_grads
+    from localmap_fx.testing.models import _col
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

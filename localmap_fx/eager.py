@@ -90,7 +90,9 @@ def _from_local_ready(spec: Any) -> tuple | None:
 class EagerPlan:
     """What the eager path decides once per ``local_map`` function."""
 
-    __slots__ = ("in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts")
+    __slots__ = (
+        "in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts", "grad_fits", "out_fits",
+    )
 
     def __init__(self, lm: LocalMap) -> None:
         ins, grads = lm.in_placements, lm.in_grad_placements
@@ -113,6 +115,10 @@ class EagerPlan:
         # object means the same layout: the checks would pass again.
         # (held weakly: a DTensorSpec holds its mesh; Note: [Caches keyed on a mesh])
         self.known_layouts: dict = {}
+        # (index, mesh ndim, tensor ndim) of the arguments' in_grad_placements
+        # and the outputs' out_placements that passed their placement checks
+        self.grad_fits: set[tuple[int, int, int]] = set()
+        self.out_fits: set[tuple[int, int, int]] = set()
 
     def spmd_plan(self, lm: LocalMap, mesh):
         """The cached :class:`localmap_fx.spmd.types.SpmdPlan` for ``mesh``."""
@@ -131,10 +137,19 @@ def _plan(lm: LocalMap) -> EagerPlan:
     return plan
 
 
-def _redistribute_checked(arg: DTensor, idx: int, spec: Any) -> DTensor:
+def _later_dtensors(flat_args: list, specs: Any, idx: int):
+    """``(index, spec, mesh ndim, ndim)`` of the DTensor arguments after ``idx``
+    (what validate's errors list besides the first offender)."""
+    for j in range(idx + 1, len(flat_args)):
+        a = flat_args[j]
+        if isinstance(a, DTensor):
+            yield j, specs[j], len(a.placements), a.ndim
+
+
+def _redistribute_checked(arg: DTensor, idx: int, spec: Any, later) -> DTensor:
     """``arg.redistribute(spec)``; torch's errors get a hint naming in_placements[idx]."""
     target = validate.as_placements(spec)
-    validate.check_redistribute_target(target, idx, len(arg.placements), arg.ndim, silent_only=True)
+    validate.check_redistribute_target_length(target, idx, len(arg.placements), later)
     try:
         return arg.redistribute(placements=target)
     except (IndexError, AssertionError, AttributeError, TypeError, RuntimeError, ValueError) as e:
@@ -146,22 +161,34 @@ def _redistribute_checked(arg: DTensor, idx: int, spec: Any) -> DTensor:
         ) from None
 
 
-def _check_grad_once(lm: LocalMap, idx: int, grad: Any, arg: DTensor) -> None:
+def _check_grad_once(plan: EagerPlan, idx: int, grad: Any, arg: DTensor, flat_args: list, in_grads: Any) -> None:
     """validate.check_grad_spec_fits, once per function, argument and layout."""
     key = (idx, len(arg.placements), arg.ndim)
-    seen = lm.__dict__.setdefault("_grad_fits", set())
+    seen = plan.grad_fits
     if key not in seen:
-        validate.check_grad_spec_fits(grad, idx, len(arg.placements), arg.ndim)
+        later = _later_dtensors(flat_args, in_grads, idx)
+        validate.check_grad_spec_fits(grad, idx, len(arg.placements), arg.ndim, later)
         seen.add(key)
 
 
-def _check_out_once(lm: LocalMap, idx: int, spec: Any, out: torch.Tensor, mesh) -> None:
+def _check_out_once(
+    plan: EagerPlan, idx: int, spec: Any, out: torch.Tensor, mesh, flat_out: list, out_specs: tuple
+) -> None:
     """validate.check_out_spec_fits, once per function, output and layout."""
     key = (idx, mesh.ndim, out.ndim)
-    seen = lm.__dict__.setdefault("_out_fits", set())
+    seen = plan.out_fits
     if key not in seen:
-        validate.check_out_spec_fits(spec, idx, mesh.ndim, out.ndim)
+        later = _later_tensor_outputs(flat_out, out_specs, idx)
+        validate.check_out_spec_fits(spec, idx, mesh.ndim, out.ndim, later)
         seen.add(key)
+
+
+def _later_tensor_outputs(flat_out: list, out_specs: tuple, idx: int):
+    """``(index, spec, ndim)`` of the plain tensor outputs after ``idx``."""
+    for j in range(idx + 1, len(flat_out)):
+        o = flat_out[j]
+        if isinstance(o, _Tensor) and not isinstance(o, DTensor):
+            yield j, out_specs[j], o.ndim
 
 
 def _out_hint(e: BaseException, idx: int, spec: Any, out: torch.Tensor, mesh) -> BaseException:
@@ -206,7 +233,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                     # None, a non-sequence, or a mismatch: validate raises
                     # torch's error or asks for a redistribution.
                     if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
-                        arg = _redistribute_checked(arg, idx, spec)
+                        arg = _redistribute_checked(arg, idx, spec, _later_dtensors(flat_args, in_specs, idx))
             layout = arg._spec
             ref = plan.known_layouts.get(idx)
             known = ref is not None and ref() is layout
@@ -215,7 +242,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 if type(grad) is not tuple:
                     grad = validate.check_dtensor_grad_spec(arg, idx, grad)
                 if not known:
-                    _check_grad_once(lm, idx, grad, arg)
+                    _check_grad_once(plan, idx, grad, arg, flat_args, in_grads)
             else:
                 grad = None
             if grad is None and lm.spmd_types:
@@ -316,7 +343,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
         if isinstance(o, DTensor) or not isinstance(o, _Tensor):
             validate.check_output_value(o, idx, spec)
         if isinstance(o, _Tensor):
-            _check_out_once(lm, idx, spec, o, mesh)
+            _check_out_once(plan, idx, spec, o, mesh, flat_out, out_specs)
             grad = None if grad_specs is None else grad_specs[idx]
             placements = ready[idx]
             if uneven_in:

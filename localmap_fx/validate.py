@@ -14,12 +14,13 @@ Note: [Why errors keep torch's wording]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 from . import argtree
 
@@ -34,7 +35,8 @@ __all__ = [
     "check_spmd_types_available",
     "check_out_count",
     "check_output_value",
-    "check_spec_fits_mesh",
+    "PlacementProblem",
+    "placement_problem",
 ]
 
 
@@ -122,11 +124,8 @@ def check_dtensor_in_spec(
             "redistribute_inputs=True to local_map."
         )
         mesh_ndim = _mesh_ndim_of(arg)
-        if (
-            mesh_ndim is not None
-            and len(spec) > mesh_ndim
-            and all(isinstance(p, Placement) for p in spec)
-        ):
+        problem = None if mesh_ndim is None else placement_problem(spec, mesh_ndim)
+        if problem is not None and problem.kind == TOO_MANY:
             # The real cause first: no redistribution can reach these.
             raise ValueError(
                 f"in_placements[{idx}] = {spec} has {len(spec)} placements but the "
@@ -226,33 +225,74 @@ def check_output_value(out: Any, idx: int, spec: Any) -> None:
         )
 
 
-def check_spec_fits_mesh(spec: tuple, mesh_ndim: int, where: str, ndim: int | None) -> None:
-    """Extra check (localmap_fx only): placements length and shard dims.
+# --- Does a placements spec fit the mesh and the tensor? ---------------------
+#
+# Note: [One placement check, each caller's exception]
+#     Four places ask whether a spec fits: a DTensor argument's
+#     in_placements (too long for its mesh), a redistribution target,
+#     in_grad_placements, out_placements.  :func:`placement_problem` answers
+#     for all of them, in one order (not a sequence, an entry that is not a
+#     Placement, the wrong length, a Shard dim outside the tensor); each
+#     caller turns the problem into the exception torch raises at that point
+#     (``DTensor.redistribute``, ``DTensor.from_local``) with torch's text, or,
+#     where torch is silent, into a ValueError of ours.  Our own errors list
+#     every offending argument (as JAX's shard_map does); where torch raises
+#     on the first with its own text, so do we.
 
-    Torch fails later with an unrelated error (or silently) for these; we
-    raise a ValueError naming the argument.
-    """
-    from torch.distributed.tensor.placement_types import Shard
+NOT_SEQUENCE = "not a sequence"
+NOT_PLACEMENT = "not a Placement"
+TOO_FEW = "too few"
+TOO_MANY = "too many"
+SHARD_DIM = "Shard dim out of range"
 
-    if len(spec) != mesh_ndim:
-        raise ValueError(
-            f"{where} has {len(spec)} placements but the device mesh has "
-            f"{mesh_ndim} dimensions: give exactly one Placement per mesh "
-            "dimension."
-        )
-    for p in spec:
+
+@dataclasses.dataclass(frozen=True)
+class PlacementProblem:
+    """The first way a placements spec does not fit (:func:`placement_problem`)."""
+
+    kind: str  # one of the constants above
+    text: str  # how our own messages say it, after "<where> = <spec> "
+    entry: Any = None  # the offending entry (NOT_PLACEMENT, SHARD_DIM)
+    position: int = -1  # its index in the spec
+
+
+def placement_problem(spec: Any, mesh_ndim: int, ndim: int | None = None) -> PlacementProblem | None:
+    """What is wrong with ``spec`` as placements on a ``mesh_ndim``-d mesh of a
+    tensor with ``ndim`` dims (None: do not check Shard dims), or None."""
+    if not isinstance(spec, (list, tuple)):
+        return PlacementProblem(NOT_SEQUENCE, f"is {spec!r}, not a sequence of placements")
+    for i, p in enumerate(spec):
         if not isinstance(p, Placement):
-            raise ValueError(
-                f"{where} contains {p!r}, which is not a Placement: use "
-                "Shard(d), Replicate() or Partial()."
+            return PlacementProblem(
+                NOT_PLACEMENT,
+                f"contains {p!r}, which is not a Placement (use Shard(d), Replicate() or Partial())",
+                p,
+                i,
             )
-        if ndim is not None and isinstance(p, Shard):
-            if not -ndim <= p.dim < ndim:
-                raise ValueError(
-                    f"{where} = {spec} shards dimension {p.dim} but the tensor "
-                    f"has {ndim} dimensions: use a Shard dim in "
-                    f"[{-ndim}, {ndim})."
+    if len(spec) != mesh_ndim:
+        return PlacementProblem(
+            TOO_FEW if len(spec) < mesh_ndim else TOO_MANY,
+            f"has {len(spec)} placements but the device mesh has {mesh_ndim} "
+            f"dimension{'s' if mesh_ndim != 1 else ''}: give one Placement per mesh dimension",
+        )
+    if ndim is not None:
+        for i, p in enumerate(spec):
+            if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+                return PlacementProblem(
+                    SHARD_DIM, f"shards dimension {p.dim} of a {ndim}-d tensor: use a dim in [{-ndim}, {ndim})", p, i
                 )
+    return None
+
+
+def _offenders(first: tuple, later: Iterable[tuple], problem_of) -> list[tuple]:
+    """``first`` and every entry of ``later`` (only read when there is an
+    offender) for which ``problem_of(entry)`` is not None, as ``(entry, problem)``."""
+    found = [first]
+    for entry in later:
+        problem = problem_of(entry)
+        if problem is not None:
+            found.append((entry, problem))
+    return found
 
 
 # --- Checks on descriptions of values (the compiled path) ---------------------
@@ -268,24 +308,16 @@ def check_spec_fits_mesh(spec: tuple, mesh_ndim: int, where: str, ndim: int | No
 #     eager ones, applied to descriptions instead of values.
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class Described:
     """Stands for an argument or output in messages raised at compile time."""
 
-    def __init__(
-        self,
-        kind: str,
-        placements: Any = None,
-        ndim: int | None = None,
-        value: Any = None,
-        mesh_ndim: int | None = None,
-        mesh: str | None = None,
-    ):
-        self.kind = kind
-        self.placements = placements
-        self.ndim = ndim
-        self.value = value
-        self.mesh_ndim = mesh_ndim
-        self.mesh = mesh
+    kind: str
+    placements: Any = None
+    ndim: int | None = None
+    value: Any = None
+    mesh_ndim: int | None = None
+    mesh: str | None = None
 
     def __str__(self) -> str:
         if self.kind == "dtensor":
@@ -366,9 +398,9 @@ def plan_inputs(
     check_in_count(in_placements, len(descs))
     check_grad_count(in_grad_placements, len(descs))
     plan = []
-    for idx, desc in enumerate(descs):
+    for idx in range(len(descs)):
         try:
-            plan.append(_plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs))
+            plan.append(_plan_leaf(idx, descs, in_placements, in_grad_placements, redistribute_inputs))
         except Exception as e:
             if labels is None:
                 raise
@@ -397,9 +429,17 @@ def plan_nested_inputs(
     return plan, specs, grads
 
 
-def _plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs):
+def _later_dtensors(descs: tuple, specs: Any, idx: int) -> Iterable[tuple]:
+    """``(index, spec, mesh ndim, ndim)`` of the DTensor arguments after ``idx``."""
+    for j in range(idx + 1, len(descs)):
+        arg = described(descs[j])
+        if arg.kind == "dtensor" and arg.mesh_ndim is not None and arg.ndim is not None:
+            yield j, specs[j], arg.mesh_ndim, arg.ndim
+
+
+def _plan_leaf(idx, descs, in_placements, in_grad_placements, redistribute_inputs):
     """What to do with one flattened argument (see plan_inputs); raises if bad."""
-    arg = described(desc)
+    arg = described(descs[idx])
     if arg.kind == "dtensor":
         mesh_ndim, ndim = arg.mesh_ndim, arg.ndim
         if mesh_ndim is None or ndim is None:
@@ -408,12 +448,14 @@ def _plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs
         if in_placements is not None:
             spec = in_placements[idx]
             if check_dtensor_in_spec(arg, idx, spec, redistribute_inputs):
-                check_redistribute_target(spec, idx, mesh_ndim, ndim)
+                check_redistribute_target(
+                    spec, idx, mesh_ndim, ndim, _later_dtensors(descs, in_placements, idx)
+                )
                 target = as_placements(spec)
         grad = None
         if in_grad_placements is not None:
             grad = check_dtensor_grad_spec(arg, idx, in_grad_placements[idx])
-            check_grad_spec_fits(grad, idx, mesh_ndim, ndim)
+            check_grad_spec_fits(grad, idx, mesh_ndim, ndim, _later_dtensors(descs, in_grad_placements, idx))
         return (target, grad)
     if in_placements is not None and arg.kind != "tensor":
         check_non_tensor_input(arg, idx, in_placements[idx])
@@ -423,11 +465,16 @@ def _plan_leaf(idx, desc, in_placements, in_grad_placements, redistribute_inputs
 def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
     """Check the body's flattened outputs against out_placements."""
     check_out_count(len(descs), out_specs)
-    for idx, (desc, spec) in enumerate(zip(descs, out_specs)):
-        out = described(desc)
+    outs = [described(desc) for desc in descs]
+    for idx, (out, spec) in enumerate(zip(outs, out_specs)):
         if out.kind == "tensor" and out.ndim is not None:
-            check_out_spec_fits(spec, idx, mesh_ndim, out.ndim)
-            _check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
+            later = (
+                (j, out_specs[j], o.ndim)
+                for j, o in enumerate(outs)
+                if j > idx and o.kind == "tensor" and o.ndim is not None
+            )
+            check_out_spec_fits(spec, idx, mesh_ndim, out.ndim, later)
+            check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":
             raise AssertionError(
                 f"torch.Tensor output expected but received {DTensor}: {out}"
@@ -440,22 +487,23 @@ def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
     return True
 
 
-def _check_from_local_spec(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
-    """What ``DTensor.from_local`` would reject, with torch's type and text."""
-    from torch.distributed.tensor.placement_types import Shard
-
+def check_from_local_spec(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
+    """What ``DTensor.from_local`` would reject, with torch's type and text
+    (run after :func:`check_out_spec_fits`, which takes a wrong length)."""
+    problem = placement_problem(spec, mesh_ndim, ndim)
+    if problem is None or problem.kind in (TOO_FEW, TOO_MANY):
+        return
     hint = f"out_placements[{idx}] = {spec!r}: give one Placement per mesh dimension."
-    if not isinstance(spec, (list, tuple)):
+    if problem.kind == NOT_SEQUENCE:
         raise with_hint(TypeError(f"'{type(spec).__name__}' object is not iterable"), hint)
-    for p in spec:
-        if not isinstance(p, Placement):
-            raise with_hint(RuntimeError(f"{p!r} is not a Placement"), hint)
-    for i, p in enumerate(spec):
-        if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
-            raise with_hint(
-                RuntimeError(f"Sharding dim {p.dim} greater than tensor ndim {ndim} for placement number {i}"),
-                f"out_placements[{idx}] shards dimension {p.dim} of a {ndim}-d output.",
-            )
+    if problem.kind == NOT_PLACEMENT:
+        raise with_hint(RuntimeError(f"{problem.entry!r} is not a Placement"), hint)
+    raise with_hint(
+        RuntimeError(
+            f"Sharding dim {problem.entry.dim} greater than tensor ndim {ndim} for placement number {problem.position}"
+        ),
+        f"out_placements[{idx}] shards dimension {problem.entry.dim} of a {ndim}-d output.",
+    )
 
 
 # --- Checks torch 2.14.1 does not make -----------------------------------------
@@ -468,104 +516,157 @@ def _check_from_local_spec(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> No
 #     parity tests exclude exactly these cases.
 
 
-def _placement_problem(spec: Any, mesh_ndim: int, ndim: int | None) -> str | None:
-    if not isinstance(spec, (list, tuple)):
-        return f"is {spec!r}, not a sequence of placements"
-    for p in spec:
-        if not isinstance(p, Placement):
-            return f"contains {p!r}, which is not a Placement (use Shard(d), Replicate() or Partial())"
-    if len(spec) != mesh_ndim:
-        return (
-            f"has {len(spec)} placements but the device mesh has {mesh_ndim} "
-            f"dimension{'s' if mesh_ndim != 1 else ''}: give one Placement per mesh dimension"
-        )
-    if ndim is not None:
-        from torch.distributed.tensor.placement_types import Shard
-
-        for p in spec:
-            if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
-                return f"shards dimension {p.dim} of a {ndim}-d tensor: use a dim in [{-ndim}, {ndim})"
-    return None
-
-
 class ShardDimError(IndexError, AssertionError):
     """A Shard dim outside the tensor (torch raises either type for it)."""
 
 
-def check_redistribute_target(
-    spec: Any, idx: int, mesh_ndim: int, ndim: int, silent_only: bool = False
-) -> None:
-    """in_placements[idx] must be a valid target before redistributing to it.
-
-    Where ``DTensor.redistribute`` itself would fail, the error has its type
-    (and text); a spec longer than the mesh, which torch accepts silently,
-    is a ValueError.
-    """
-    from torch.distributed.tensor.placement_types import Shard
-
-    hint = (
+def _redistribute_hint(spec: Any, idx: int, mesh_ndim: int) -> str:
+    return (
         f"in_placements[{idx}] = {spec!r}: redistribute_inputs=True moves args "
         f"leaf {idx} to these placements; give one Placement per mesh dimension "
         f"({mesh_ndim})."
     )
-    if silent_only:
-        # eager: DTensor.redistribute raises (with its own text) for the rest
-        if all(isinstance(p, Placement) for p in spec) and len(spec) > mesh_ndim:
-            raise ValueError(
-                f"in_placements[{idx}] = {spec!r} has {len(spec)} placements but the "
-                f"device mesh has {mesh_ndim} dimension{'s' if mesh_ndim != 1 else ''}."
-                f"\n[localmap_fx] {hint}"
-            )
+
+
+def _too_long_target(entry: tuple) -> PlacementProblem | None:
+    j, spec, mesh_ndim = entry[:3]
+    if not isinstance(spec, (list, tuple)):
+        return None  # raises at its own turn, with torch's text
+    problem = placement_problem(spec, mesh_ndim)
+    return problem if problem is not None and problem.kind == TOO_MANY else None
+
+
+def _raise_too_long_targets(spec: Any, idx: int, mesh_ndim: int, later: Iterable[tuple]) -> None:
+    """The ValueError for in_placements longer than the mesh, which torch
+    accepts silently: every such later DTensor argument is listed too."""
+    found = _offenders(((idx, spec, mesh_ndim), None), later, _too_long_target)
+    text = "\n".join(
+        f"in_placements[{j}] = {s!r} has {len(s)} placements but the "
+        f"device mesh has {m} dimension{'s' if m != 1 else ''}."
+        for (j, s, m, *_), _ in found
+    )
+    hint = _redistribute_hint(spec, idx, mesh_ndim)
+    raise ValueError(
+        f"{text}"
+        f"\n[localmap_fx] {hint}"
+    )
+
+
+def check_redistribute_target_length(
+    spec: Any, idx: int, mesh_ndim: int, later: Iterable[tuple] = ()
+) -> None:
+    """Eager, before ``DTensor.redistribute``: in_placements[idx] longer than
+    the mesh, which torch accepts silently, is a ValueError.  Every other bad
+    target makes ``redistribute`` itself raise, with its own text.  ``later``:
+    ``(index, spec, mesh ndim, ...)`` of the later DTensor arguments to be
+    redistributed, listed too when they are as long."""
+    problem = placement_problem(spec, mesh_ndim)
+    if problem is not None and problem.kind == TOO_MANY:
+        _raise_too_long_targets(spec, idx, mesh_ndim, later)
+
+
+def check_redistribute_target(
+    spec: Any, idx: int, mesh_ndim: int, ndim: int, later: Iterable[tuple] = ()
+) -> None:
+    """Compiled path: in_placements[idx] must be a valid target before
+    redistributing to it.
+
+    Where ``DTensor.redistribute`` itself would fail, the error has its type
+    (and text); a spec longer than the mesh, which torch accepts silently,
+    is a ValueError (see :func:`check_redistribute_target_length`).
+    """
+    problem = placement_problem(spec, mesh_ndim, ndim)
+    if problem is None:
         return
-    for p in spec:
-        if not isinstance(p, Placement):
-            raise with_hint(
-                AttributeError(f"'{type(p).__name__}' object has no attribute 'is_partial'"), hint
-            )
-    if len(spec) < mesh_ndim:
-        raise with_hint(IndexError("tuple index out of range"), hint)
-    if len(spec) > mesh_ndim:
-        raise ValueError(
-            f"in_placements[{idx}] = {spec!r} has {len(spec)} placements but the "
-            f"device mesh has {mesh_ndim} dimension{'s' if mesh_ndim != 1 else ''}."
-            f"\n[localmap_fx] {hint}"
+    hint = _redistribute_hint(spec, idx, mesh_ndim)
+    if problem.kind == NOT_SEQUENCE:
+        raise with_hint(TypeError(f"'{type(spec).__name__}' object is not iterable"), hint)
+    if problem.kind == NOT_PLACEMENT:
+        raise with_hint(
+            AttributeError(f"'{type(problem.entry).__name__}' object has no attribute 'is_partial'"), hint
         )
-    for p in spec:
-        if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
-            # DTensor.redistribute fails with IndexError or AssertionError
-            # depending on the source placements; this error is both.
-            raise ShardDimError(
-                f"Sharding dim {p.dim} out of range for a {ndim}-d tensor"
-                f"\n[localmap_fx] {hint} Shard({p.dim}) on a {ndim}-d tensor."
-            )
+    if problem.kind == TOO_FEW:
+        raise with_hint(IndexError("tuple index out of range"), hint)
+    if problem.kind == TOO_MANY:
+        _raise_too_long_targets(spec, idx, mesh_ndim, later)
+    # DTensor.redistribute fails with IndexError or AssertionError
+    # depending on the source placements; this error is both.
+    dim = problem.entry.dim
+    raise ShardDimError(
+        f"Sharding dim {dim} out of range for a {ndim}-d tensor"
+        f"\n[localmap_fx] {hint} Shard({dim}) on a {ndim}-d tensor."
+    )
 
 
-def check_grad_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
-    """in_grad_placements[idx] must describe a gradient of args leaf ``idx``."""
-    problem = _placement_problem(spec, mesh_ndim, ndim)
+def _spec_text(spec: Any) -> str:
+    """A spec as the first offender's is printed (checked specs are tuples)."""
+    return repr(tuple(spec) if isinstance(spec, list) else spec)
+
+
+def _grad_problem(entry: tuple) -> PlacementProblem | None:
+    _, spec, mesh_ndim, ndim = entry
+    if not isinstance(spec, (list, tuple)):
+        return None  # raises at its own turn, with torch's text
+    return placement_problem(spec, mesh_ndim, ndim)
+
+
+def check_grad_spec_fits(
+    spec: Any, idx: int, mesh_ndim: int, ndim: int, later: Iterable[tuple] = ()
+) -> None:
+    """in_grad_placements[idx] must describe a gradient of args leaf ``idx``.
+
+    ``later``: ``(index, grad spec, mesh ndim, ndim)`` of the later DTensor
+    arguments, read only when this one fails: the error lists every offender.
+    """
+    problem = placement_problem(spec, mesh_ndim, ndim)
     if problem is not None:
+        found = _offenders(((idx, spec, mesh_ndim, ndim), problem), later, _grad_problem)
+        text = "\n".join(f"in_grad_placements[{j}] = {_spec_text(s)} {p.text}." for (j, s, *_), p in found)
         raise ValueError(
-            f"in_grad_placements[{idx}] = {spec!r} {problem}.\n[localmap_fx] "
+            f"{text}\n[localmap_fx] "
             "torch would only fail later, in backward."
         )
 
 
-def check_out_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
-    """out_placements[idx] must place a tensor output of ``ndim`` dims on the mesh."""
-    if spec is None:
-        raise ValueError(
-            f"out_placements[{idx}] is None but output {idx} of the body is a "
-            "Tensor.\n[localmap_fx] give its placements, e.g. [Shard(0)]; None "
-            "is for non-tensor outputs (torch would silently treat it as "
-            "Replicate)."
-        )
-    if isinstance(spec, (list, tuple)) and all(isinstance(p, Placement) for p in spec):
-        if len(spec) != mesh_ndim:
-            raise ValueError(
-                f"out_placements[{idx}] = {spec!r} has {len(spec)} placements but "
-                f"the device mesh has {mesh_ndim} dimensions.\n[localmap_fx] give "
-                "one Placement per mesh dimension."
+def _out_problem(mesh_ndim: int):
+    def problem_of(entry: tuple) -> tuple[str, str] | None:
+        j, spec, _ = entry
+        if spec is None:
+            return (
+                f"out_placements[{j}] is None but output {j} of the body is a Tensor.",
+                "give its placements, e.g. [Shard(0)]; None "
+                "is for non-tensor outputs (torch would silently treat it as "
+                "Replicate).",
             )
+        problem = placement_problem(spec, mesh_ndim) if isinstance(spec, (list, tuple)) else None
+        if problem is not None and problem.kind in (TOO_FEW, TOO_MANY):
+            return (
+                f"out_placements[{j}] = {spec!r} has {len(spec)} placements but "
+                f"the device mesh has {mesh_ndim} dimensions.",
+                "give one Placement per mesh dimension.",
+            )
+        return None
+
+    return problem_of
+
+
+def check_out_spec_fits(
+    spec: Any, idx: int, mesh_ndim: int, ndim: int, later: Iterable[tuple] = ()
+) -> None:
+    """out_placements[idx] must place a tensor output of ``ndim`` dims on the mesh.
+
+    ``later``: ``(index, spec, ndim)`` of the later tensor outputs, read only
+    when this one fails: the error lists every offender.
+    """
+    problem_of = _out_problem(mesh_ndim)
+    problem = problem_of((idx, spec, ndim))
+    if problem is not None:
+        found = _offenders(((idx, spec, ndim), problem), later, problem_of)
+        hints = list(dict.fromkeys(hint for _, (_, hint) in found))
+        raise ValueError(
+            "\n".join(text for _, (text, _) in found)
+            + "".join(f"\n[localmap_fx] {hint}" for hint in hints)
+        )
 
 
 def with_hint(exc: BaseException, hint: str) -> BaseException:

@@ -1,42 +1,16 @@
-"""Shared fixtures: one fake process group (world size 4) per test session.
+"""Fixtures every test gets: Dynamo reset after each test, no unwaited collectives.
 
-Single-process tests build meshes on it; numerics use ``LocalTensorMode`` so
-every rank runs in this process.  Multi-process (gloo) tests spawn their own
-processes and never touch this group.
+The fake process group (world size 4) and its meshes are functions in
+``tests/helpers.py`` (one per session).  Single-process tests build meshes on
+it; numerics use ``LocalTensorMode`` so every rank runs in this process.
+Multi-process (gloo) tests spawn their own processes and never touch this
+group.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
-WORLD_SIZE = 4
-
-
-def _ensure_fake_pg() -> None:
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-
-
-@pytest.fixture(scope="session")
-def fake_pg():
-    _ensure_fake_pg()
-    yield
-    # torch keeps the default group alive for the whole session on purpose:
-    # destroying it would invalidate meshes cached by other tests.
-
-
-@pytest.fixture(scope="session")
-def mesh1d(fake_pg):
-    return init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
-
-
-@pytest.fixture(scope="session")
-def mesh2d(fake_pg):
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
 @pytest.fixture(autouse=True)

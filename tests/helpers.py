@@ -1,4 +1,6 @@
-"""Helpers shared by single-process tests (fake process group, meshes)."""
+"""Helpers shared by single-process tests: the fake process group and its
+meshes (the one API for them; conftest.py has no mesh fixtures), rank-local
+DTensors, waiting collectives."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ WORLD_SIZE = 4
 
 
 def ensure_fake_pg() -> None:
+    """The session's fake process group (world size 4), made on first use.
+
+    It is never destroyed: that would invalidate meshes other tests cached.
+    """
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
 
@@ -76,3 +82,37 @@ def waiting_collectives():
     finally:
         for t in issued:
             wait(t)
+
+
+def grads_eager_outline_inline(step, full: list, placements: list, mesh, inner: str = "inductor") -> dict:
+    """``{mode: full gradients}`` of ``step(*args).backward()``, args the
+    DTensors of ``full`` with ``placements``, run eager and compiled with
+    region bodies outlined and inline (``share_layers=False``: ``"auto"``
+    would inline the bodies and skip the outlined path)."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    import localmap_fx
+
+    grads = {}
+    for mode in ("eager", "outline", "inline"):
+        torch._dynamo.reset()
+        fn = step
+        if mode != "eager":
+            be = localmap_fx.backend(inner, outline=mode == "outline", share_layers=False)
+            fn = torch.compile(step, backend=be, fullgraph=True)
+        args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, placements)]
+        fn(*args).backward()
+        grads[mode] = [a.grad.full_tensor() for a in args]
+    return grads
+
+
+def relative_errors(grads: dict) -> dict:
+    """``{mode: [max |g - eager| / max |eager| per gradient]}`` of the compiled
+    modes of :func:`grads_eager_outline_inline`."""
+    eager = grads["eager"]
+    return {
+        mode: [((g - e).abs().max() / e.abs().max()).item() for g, e in zip(gs, eager)]
+        for mode, gs in grads.items()
+        if mode != "eager"
+    }

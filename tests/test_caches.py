@@ -120,3 +120,42 @@ def test_nested_local_map_has_its_own_eager_plan():
     assert outer._eager_plan is not inner._eager_plan
     assert outer._eager_plan.in_specs == ((Replicate(),),)
     assert inner._eager_plan.in_specs == ((Shard(0),),)
+
+
+def test_compiled_regions_do_not_keep_user_functions_alive():
+    """Capture's registries (shared bodies of repeated regions, constants
+    handed to the trace, per-trace verdicts) hold neither a user's function
+    nor what its closure holds (Note: [Shared bodies do not keep the user's
+    function alive], capture/reuse.py)."""
+    from localmap_fx.capture import reuse
+
+    mesh = mesh_1d()
+
+    def make_and_use():
+        big = torch.ones(256, 1024)  # held only by body's closure
+
+        def body(x):
+            return x * big[0, :4]
+
+        lm = localmap_fx.local_map(body, out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=mesh)
+
+        def f(x):
+            return lm(lm(lm(x)))  # the second and third calls share one body
+
+        shared_before = set(vars(reuse._SHARED))
+        x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        out = torch.compile(f, backend="eager", fullgraph=True)(x)
+        torch.testing.assert_close(out.to_local(), x.to_local())
+        assert set(vars(reuse._SHARED)) - shared_before, "no shared body was made"
+        return weakref.ref(big), weakref.ref(body), shared_before
+
+    big_ref, body_ref, shared_before = make_and_use()
+    # Dynamo's own caches hold the compiled frame's guards and code, which
+    # reference lm and body for as long as the frame may run again; reset()
+    # drops them, as a process does when it no longer calls f.  What is left
+    # must be ours.
+    torch._dynamo.reset()
+    gc.collect()
+    assert body_ref() is None
+    assert big_ref() is None
+    assert set(vars(reuse._SHARED)) == shared_before

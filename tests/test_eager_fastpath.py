@@ -17,6 +17,8 @@ from torch.distributed.tensor.experimental import local_map as torch_local_map
 
 from localmap_fx import local_map as our_local_map
 
+from helpers import mesh_1d, mesh_2d
+
 IMPLS = {"torch": torch_local_map, "ours": our_local_map}
 
 
@@ -77,8 +79,8 @@ def _check(body, args, **kw):
     return got["ours"]
 
 
-def test_parameter_dtensor_input(mesh1d):
-    p = torch.nn.Parameter(_dt(mesh1d, [Shard(0)]))
+def test_parameter_dtensor_input():
+    p = torch.nn.Parameter(_dt(mesh_1d(), [Shard(0)]))
     seen = {}
 
     def body(t):
@@ -89,8 +91,8 @@ def test_parameter_dtensor_input(mesh1d):
     assert seen[0] == seen[1] == (True, "_ToTorchTensorBackward")
 
 
-def test_no_grad_input_is_the_local_tensor(mesh1d):
-    x = _dt(mesh1d, [Shard(0)])
+def test_no_grad_input_is_the_local_tensor():
+    x = _dt(mesh_1d(), [Shard(0)])
     seen = []
 
     def body(t):
@@ -114,13 +116,13 @@ def test_no_grad_input_is_the_local_tensor(mesh1d):
     # (docs/user-guide.md, "Deviations from torch"), covered by tests/test_bad_inputs.py
     ids=["shard_neg1", "shard_neg2_tuple", "partial", "partial_max"],
 )
-def test_output_specs_taking_the_public_from_local(mesh1d, out_placements):
-    x = _dt(mesh1d, [Shard(0)])
+def test_output_specs_taking_the_public_from_local(out_placements):
+    x = _dt(mesh_1d(), [Shard(0)])
     _check(lambda t: t * 3, (x,), out_placements=out_placements, in_placements=([Shard(0)],))
 
 
-def test_mixed_partial_output_spec_raises_like_torch(mesh2d):
-    x = _dt(mesh2d, [Shard(0), Shard(1)])
+def test_mixed_partial_output_spec_raises_like_torch():
+    x = _dt(mesh_2d(), [Shard(0), Shard(1)])
     got = _check(
         lambda t: t * 3,
         (x,),
@@ -141,15 +143,15 @@ def test_mixed_partial_output_spec_raises_like_torch(mesh2d):
     ],
     ids=["tuple", "list", "dict", "tuple_with_int", "nested"],
 )
-def test_container_outputs(mesh1d, body, out_placements):
-    x = _dt(mesh1d, [Shard(0)])
+def test_container_outputs(body, out_placements):
+    x = _dt(mesh_1d(), [Shard(0)])
     _check(body, (x,), out_placements=out_placements, in_placements=([Shard(0)],))
 
 
 @pytest.mark.parametrize("as_tuple", [False, True])
-def test_dtensor_output_raises_like_torch(mesh1d, as_tuple):
-    x = _dt(mesh1d, [Shard(0)])
-    y = _dt(mesh1d, [Replicate()])
+def test_dtensor_output_raises_like_torch(as_tuple):
+    x = _dt(mesh_1d(), [Shard(0)])
+    y = _dt(mesh_1d(), [Replicate()])
     got = _check(
         (lambda t: (t * 2, y)) if as_tuple else (lambda t: y),
         (x,),
@@ -159,8 +161,8 @@ def test_dtensor_output_raises_like_torch(mesh1d, as_tuple):
     assert got[0] == "error" and got[1] is AssertionError
 
 
-def test_meta_output(mesh1d):
-    x = _dt(mesh1d, [Shard(0)])
+def test_meta_output():
+    x = _dt(mesh_1d(), [Shard(0)])
     _check(
         lambda t: torch.empty(t.shape, device="meta"),
         (x,),
@@ -169,17 +171,17 @@ def test_meta_output(mesh1d):
     )
 
 
-def test_grad_fns_and_gradients_match(mesh1d):
+def test_grad_fns_and_gradients_match():
     results = {}
     for name, lm in IMPLS.items():
-        x = _dt(mesh1d, [Replicate()])
-        w = _dt(mesh1d, [Shard(1)], shape=(4, 8))
+        x = _dt(mesh_1d(), [Replicate()])
+        w = _dt(mesh_1d(), [Shard(1)], shape=(4, 8))
         f = lm(
             lambda a, b: torch.relu(a @ b),
             out_placements=[Shard(1)],
             in_placements=([Replicate()], [Shard(1)]),
             in_grad_placements=([Partial()], [Shard(1)]),
-            device_mesh=mesh1d,
+            device_mesh=mesh_1d(),
         )
         y = f(x, w)
         y.sum().backward()
@@ -194,16 +196,16 @@ def test_grad_fns_and_gradients_match(mesh1d):
     assert _same(results["ours"], results["torch"]), results
 
 
-def test_spmd_plan_pushes_the_same_mesh_entry(mesh2d):
+def test_spmd_plan_pushes_the_same_mesh_entry():
     pytest.importorskip("spmd_types")
     import spmd_types as spmd
     from spmd_types._state import _current_mesh_entry
 
     from localmap_fx.spmd.types import SpmdPlan
 
-    with spmd.set_current_mesh(mesh2d):
+    with spmd.set_current_mesh(mesh_2d()):
         expected = _current_mesh_entry()
-    plan = SpmdPlan(mesh2d)
+    plan = SpmdPlan(mesh_2d())
     for _ in range(2):  # first call resolves, second uses the cache
         with plan.checking():
             got = _current_mesh_entry()
@@ -211,10 +213,10 @@ def test_spmd_plan_pushes_the_same_mesh_entry(mesh2d):
     assert _current_mesh_entry() is None
 
 
-def test_spmd_types_fast_path_matches_torch(mesh1d):
+def test_spmd_types_fast_path_matches_torch():
     pytest.importorskip("spmd_types")
-    x = _dt(mesh1d, [Replicate()])
-    w = _dt(mesh1d, [Shard(1)], shape=(4, 8))
+    x = _dt(mesh_1d(), [Replicate()])
+    w = _dt(mesh_1d(), [Shard(1)], shape=(4, 8))
     for _ in range(2):  # cached plan on the second call
         _check(
             lambda a, b: torch.relu(a @ b),
@@ -222,6 +224,6 @@ def test_spmd_types_fast_path_matches_torch(mesh1d):
             out_placements=[Shard(1)],
             in_placements=([Replicate()], [Shard(1)]),
             in_grad_placements=([Partial()], [Shard(1)]),
-            device_mesh=mesh1d,
+            device_mesh=mesh_1d(),
             spmd_types=True,
         )

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from localmap_fx import local_map as our_local_map
 
-WORLD_SIZE = 4  # tests/conftest.py builds the fake process group with this size
+from helpers import WORLD_SIZE, mesh_1d, mesh_2d
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 PLACEMENTS_1D = {"S0": S0, "S1": S1, "R": R, "P": P}
@@ -359,8 +359,8 @@ class Meshes:
 
 
 @pytest.fixture(scope="module")
-def meshes(mesh1d, mesh2d):
-    return Meshes(mesh1d, mesh2d)
+def meshes():
+    return Meshes(mesh_1d(), mesh_2d())
 
 
 # --------------------------------------------------------------------------- #

@@ -24,6 +24,8 @@ from localmap_fx.passes.hoist_subgraph_views import (
 )
 from localmap_fx.testing.dist import run_ranks
 
+from helpers import grads_eager_outline_inline, relative_errors
+
 
 @torch.compiler.nested_compile_region
 def _body(h, w):
@@ -143,7 +145,7 @@ def outlined_row_after_column(rank, world_size, device):
     """Max relative gradient error vs eager, outlined and inline bodies under inductor (also run by test_models)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     import localmap_fx
 
@@ -162,22 +164,8 @@ def outlined_row_after_column(rank, world_size, device):
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(4, 8, 16, generator=g)]
     full += [torch.randn(*s, generator=g) / 4 for s in ((16, 32), (16, 32), (32, 16))]
-    grads = {}
-    for name in ("eager", "outline", "inline"):
-        torch._dynamo.reset()
-        fn = step
-        if name != "eager":
-            # share_layers=False: "auto" would inline the bodies and skip the outlined path
-            be = localmap_fx.backend("inductor", outline=name == "outline", share_layers=False)
-            fn = torch.compile(step, backend=be, fullgraph=True)
-        args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, [[S(1)]] * 3 + [[S(0)]])]
-        fn(*args).backward()
-        grads[name] = [a.grad.full_tensor() for a in args]
-    return {
-        name: max(((v - e).abs().max() / e.abs().max()).item() for v, e in zip(gs, grads["eager"]))
-        for name, gs in grads.items()
-        if name != "eager"
-    }
+    grads = grads_eager_outline_inline(step, full, [[S(1)]] * 3 + [[S(0)]], mesh)
+    return {name: max(errs) for name, errs in relative_errors(grads).items()}
 
 
 def test_gloo_outlined_bodies_give_eager_gradients_under_inductor():

@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.debug.formatting",
         "localmap_fx.debug.logs",
         "localmap_fx.compiler.options",
+        "localmap_fx.capture.handoff",
         "localmap_fx.capture",
         "localmap_fx.spmd",
         "localmap_fx.passes",

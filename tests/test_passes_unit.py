@@ -62,17 +62,23 @@ def _region(g, x, mesh, dt_in, ann, body_fn, out_placements, extra=None):
     return out
 
 
+def _placeholders(g: fx.Graph, dt: DTensor, w: torch.Tensor) -> tuple:
+    """The inputs of a region graph: ``x`` (the DTensor ``dt``), the mesh, ``w``."""
+    x = g.placeholder("x")
+    x.meta["example_value"] = dt
+    m = g.placeholder("mesh")
+    wn = g.placeholder("w")
+    wn.meta["example_value"] = w
+    return x, m, wn
+
+
 def _two_region_graph():
     """y = scale(sin_region(x), w): two regions, the first feeding the second."""
     mesh = mesh_1d()
     dt = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [S0])
     w = torch.full((4,), 2.0)
     g = fx.Graph()
-    x = g.placeholder("x")
-    x.meta["example_value"] = dt
-    m = g.placeholder("mesh")
-    wn = g.placeholder("w")
-    wn.meta["example_value"] = w
+    x, m, wn = _placeholders(g, dt, w)
     a1 = _ann(_body_sin, ([S0],), ([S0],))
     y1 = _region(g, x, m, dt, a1, _body_sin, [S0])
     a2 = _ann(_body_scale, ([S0],), ([S0],))
@@ -152,11 +158,7 @@ def _cond_graph():
     branches = []
     for body, extra in ((_body_sin, False), (_body_scale, True)):
         g = fx.Graph()
-        x = g.placeholder("x")
-        x.meta["example_value"] = dt
-        m = g.placeholder("mesh")
-        wn = g.placeholder("w")
-        wn.meta["example_value"] = w
+        x, m, wn = _placeholders(g, dt, w)
         ann = _ann(body, ([S0],), ([S0],))
         g.output((_region(g, x, m, dt, ann, body, [S0], extra=wn if extra else None),))
         branches.append(fx.GraphModule(torch.nn.Module(), g))

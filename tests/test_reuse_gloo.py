@@ -18,20 +18,15 @@ def _compare(rank: int, world_size: int, device: str, reuse: bool = True, outlin
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     import localmap_fx
     from localmap_fx.testing.graphs import Recorder
+    from localmap_fx.testing.models import tp_block
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    col = localmap_fx.local_map(
-        lambda x, w: torch.relu(x @ w),
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
-    )
-    row = localmap_fx.local_map(lambda h, w: h @ w, out_placements=[Partial()], in_placements=([Shard(1)], [Shard(0)]))
+    col, row = tp_block(None)
 
     def block(x, w1, w2):
         return row(col(x, w1), w2).redistribute(mesh, [Replicate()]) + x

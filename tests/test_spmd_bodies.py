@@ -483,19 +483,30 @@ def _reference(case: Case, globals_, cts, n: int = WORLD_SIZE):
     return [o.detach() for o in outs], grads
 
 
-def numerics_correct(case: Case, spmd_types: bool, impl=localmap_fx.local_map) -> tuple[bool, str]:
-    """Forward and gradients of the eager region vs ``case.ref`` (LocalTensorMode)."""
+def _case_reference(case: Case) -> tuple:
+    """``(global inputs, output cotangents, reference outputs, reference
+    gradients)`` of ``case``, single-device."""
     globals_ = _globals(case)
     g = torch.Generator().manual_seed(7)
-    ref_outs = _as_tuple(case.ref(WORLD_SIZE, *globals_))
-    cts = [torch.randn(o.shape, generator=g) for o in ref_outs]
+    cts = [torch.randn(o.shape, generator=g) for o in _as_tuple(case.ref(WORLD_SIZE, *globals_))]
     want_outs, want_grads = _reference(case, globals_, cts)
+    return globals_, cts, want_outs, want_grads
+
+
+def _ltm_inputs(case: Case, globals_: list) -> tuple:
+    """``(mesh, inputs)``: the case's arguments as DTensors holding every
+    rank's shard (call under ``LocalTensorMode``)."""
+    mesh = mesh_for(case.ndim)
+    return mesh, [
+        _ltm_dtensor(x, mesh, p, i, case.requires_grad) for i, (x, (_, p)) in enumerate(zip(globals_, case.ins))
+    ]
+
+
+def numerics_correct(case: Case, spmd_types: bool, impl=localmap_fx.local_map) -> tuple[bool, str]:
+    """Forward and gradients of the eager region vs ``case.ref`` (LocalTensorMode)."""
+    globals_, cts, want_outs, want_grads = _case_reference(case)
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_for(case.ndim)
-        inputs = [
-            _ltm_dtensor(x, mesh, p, i, case.requires_grad)
-            for i, (x, (_, p)) in enumerate(zip(globals_, case.ins))
-        ]
+        mesh, inputs = _ltm_inputs(case, globals_)
         try:
             outs = _as_tuple(_local_map(case, mesh, spmd_types, impl)(*inputs))
         except Exception as e:  # noqa: BLE001
@@ -653,16 +664,9 @@ def test_compiled_numerics_match_reference(name):
     reference's, with the grad placements derived at compile time.  (Compiled
     funcol bodies do not run under LocalTensorMode: see test_spmd_gloo.py.)"""
     case = CASES[name]
-    globals_ = _globals(case)
-    g = torch.Generator().manual_seed(7)
-    cts = [torch.randn(o.shape, generator=g) for o in _as_tuple(case.ref(WORLD_SIZE, *globals_))]
-    want_outs, want_grads = _reference(case, globals_, cts)
+    globals_, cts, want_outs, want_grads = _case_reference(case)
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_for(case.ndim)
-        inputs = [
-            _ltm_dtensor(x, mesh, p, i, case.requires_grad)
-            for i, (x, (_, p)) in enumerate(zip(globals_, case.ins))
-        ]
+        mesh, inputs = _ltm_inputs(case, globals_)
         fn = _local_map(case, mesh)
         compiled = torch.compile(
             lambda *a: fn(*a), backend=localmap_fx.backend("aot_eager", outline=False),

@@ -10,12 +10,14 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from localmap_fx import validate
 
+from helpers import mesh_1d
+
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 
 
 @pytest.fixture
-def dt(mesh1d):
-    return DTensor.from_local(torch.ones(2, 8), mesh1d, [S0], run_check=False)
+def dt():
+    return DTensor.from_local(torch.ones(2, 8), mesh_1d(), [S0], run_check=False)
 
 
 def test_as_placements():
@@ -108,16 +110,84 @@ def test_check_spmd_types_available(monkeypatch):
         validate.check_spmd_types_available()
 
 
-def test_check_spec_fits_mesh():
-    validate.check_spec_fits_mesh((S0, R), 2, "in_placements[0]", 2)
-    validate.check_spec_fits_mesh((Shard(-2),), 1, "in_placements[0]", 2)
-    with pytest.raises(ValueError, match=r"in_placements\[1\] has 1 placements but the device mesh has 2"):
-        validate.check_spec_fits_mesh((S0,), 2, "in_placements[1]", 2)
-    with pytest.raises(ValueError, match=r"out_placements\[0\] contains 'x'"):
-        validate.check_spec_fits_mesh(("x",), 1, "out_placements[0]", None)
-    with pytest.raises(ValueError, match=r"shards dimension 2 but the tensor has 2 dimensions"):
-        validate.check_spec_fits_mesh((Shard(2),), 1, "in_placements[0]", 2)
-    # grads: no tensor rank to check against
-    validate.check_spec_fits_mesh((Shard(5),), 1, "in_grad_placements[0]", None)
-    with pytest.raises(ValueError, match=r"in_grad_placements\[0\] has 2 placements"):
-        validate.check_spec_fits_mesh((S0, R), 1, "in_grad_placements[0]", None)
+def test_placement_problem():
+    assert validate.placement_problem((S0, R), 2, 2) is None
+    assert validate.placement_problem((Shard(-2),), 1, 2) is None
+    assert validate.placement_problem([S0], 1, 2) is None
+    few = validate.placement_problem((S0,), 2, 2)
+    assert few is not None and few.kind == validate.TOO_FEW
+    assert few.text == (
+        "has 1 placements but the device mesh has 2 dimensions: give one Placement per mesh dimension"
+    )
+    many = validate.placement_problem((S0, R), 1)
+    assert many is not None and many.kind == validate.TOO_MANY
+    assert many.text.startswith("has 2 placements but the device mesh has 1 dimension:")
+    entry = validate.placement_problem((R, "x"), 2)
+    assert entry is not None and (entry.kind, entry.entry, entry.position) == (validate.NOT_PLACEMENT, "x", 1)
+    assert entry.text.startswith("contains 'x', which is not a Placement")
+    # the entries are checked before the length
+    assert validate.placement_problem(("x",), 2).kind == validate.NOT_PLACEMENT
+    dim = validate.placement_problem((R, Shard(2)), 2, 2)
+    assert dim is not None and (dim.kind, dim.entry, dim.position) == (validate.SHARD_DIM, Shard(2), 1)
+    assert dim.text == "shards dimension 2 of a 2-d tensor: use a dim in [-2, 2)"
+    # without the tensor's rank, Shard dims are not checked
+    assert validate.placement_problem((Shard(5),), 1) is None
+    seq = validate.placement_problem(S0, 1)
+    assert seq is not None and seq.kind == validate.NOT_SEQUENCE
+    assert seq.text == "is Shard(dim=0), not a sequence of placements"
+
+
+def _offender_lines(call) -> list[str]:
+    """The lines of a ValueError that name an argument (not the hints)."""
+    with pytest.raises(ValueError) as e:
+        call()
+    return [line for line in str(e.value).splitlines() if line.startswith(("in_", "out_"))]
+
+
+def _eager_and_compiled(fn, *args) -> list[list[str]]:
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    return [_offender_lines(lambda: fn(*args)), _offender_lines(lambda: compiled(*args))]
+
+
+def test_our_errors_list_every_offending_argument(dt):
+    """In the checks torch does not make, one error names every bad argument,
+    in eager and compiled mode alike."""
+    from localmap_fx import local_map
+
+    mesh = dt.device_mesh
+    grads = local_map(
+        lambda a, b, c: a + b + c,
+        out_placements=[S0],
+        in_placements=([S0], None, [S0]),
+        in_grad_placements=([S0, R], None, [Shard(5)]),
+        device_mesh=mesh,
+    )
+    for lines in _eager_and_compiled(grads, dt, 1.0, dt):
+        assert lines == [
+            "in_grad_placements[0] = (Shard(dim=0), Replicate()) has 2 placements but the device "
+            "mesh has 1 dimension: give one Placement per mesh dimension.",
+            "in_grad_placements[2] = (Shard(dim=5),) shards dimension 5 of a 2-d tensor: use a dim in [-2, 2).",
+        ]
+    outs = local_map(
+        lambda a: (a, a * 2, a * 3),
+        out_placements=((S0, R), [S0], None),
+        in_placements=([S0],),
+        device_mesh=mesh,
+    )
+    for lines in _eager_and_compiled(outs, dt):
+        assert lines == [
+            "out_placements[0] = (Shard(dim=0), Replicate()) has 2 placements but the device mesh has 1 dimensions.",
+            "out_placements[2] is None but output 2 of the body is a Tensor.",
+        ]
+    targets = local_map(
+        lambda a, b: a + b,
+        out_placements=[S0],
+        in_placements=((S0, R), (R, S0)),
+        redistribute_inputs=True,
+        device_mesh=mesh,
+    )
+    for lines in _eager_and_compiled(targets, dt, dt):
+        assert lines == [
+            "in_placements[0] = (Shard(dim=0), Replicate()) has 2 placements but the device mesh has 1 dimension.",
+            "in_placements[1] = (Replicate(), Shard(dim=0)) has 2 placements but the device mesh has 1 dimension.",
+        ]

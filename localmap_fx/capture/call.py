@@ -46,7 +46,8 @@ from .._pytree import flatten_args, pytree, unflatten_args
 from ..errors import compile_time
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
-from .plan import plan_call, plan_outputs, taken
+from .handoff import taken
+from .plan import plan_call, plan_outputs
 from .reuse import run_body
 
 if TYPE_CHECKING:

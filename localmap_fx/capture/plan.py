@@ -21,15 +21,8 @@ run here, in real Python, at trace time, through ``comptime``:
 Measured on the 64-layer TP stack of issue #10 (fake group of 2), this and
 the short traced path below halved Dynamo's time (5.0 s -> 2.4 s).
 
-Note: [Handing a value from comptime back to the trace]
-    A ``comptime`` function runs in real Python with the traced frame's
-    variables but cannot return into the trace.  It puts its result in a
-    one-entry slot that the very next traced statement takes through an
-    ``assume_constant_result`` function (:func:`taken`), so the value
-    enters the graph's Python as a constant.  Nothing runs in between, and a
-    restarted trace reruns the comptime first, so the slot is never stale.
-    A validation error found here is handed over the same way and raised by
-    :func:`taken`, with the type and text eager raises.
+The comptime functions hand their results to the trace through
+:mod:`.handoff` (Note: [Handing a value from comptime back to the trace]).
 
 Note: [Why the planned path is short]
     Dynamo's cost per traced Python instruction is tens of microseconds,
@@ -55,6 +48,7 @@ Note: [Which calls are planned here]
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -64,15 +58,10 @@ from ..errors import compile_time
 from ..graph_utils import node_value
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
+from . import handoff
+from .handoff import local_vt, realized
 
-__all__ = ["plan_call", "plan_outputs", "taken"]
-
-_SLOT: list = []
-
-
-class _Raise:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+__all__ = ["plan_call", "plan_outputs"]
 
 
 # Note: [Constants handed to the trace are private copies]
@@ -82,7 +71,11 @@ class _Raise:
 #     source it can evaluate (``NameError: name 'taken' is not defined``).
 #     So every value is a deep copy, made once per distinct value (by its
 #     text) and reused, so that repeated calls cost a ``repr``, not a copy.
-_COPIES: dict[str, Any] = {}
+#     The copies are placements, flags and names, never user objects; the
+#     most recently used ``_MAX_COPIES`` are kept, so a long-lived process
+#     that compiles many different regions does not keep every one.
+_MAX_COPIES = 1024
+_COPIES: OrderedDict[str, Any] = OrderedDict()
 
 
 def _private(value: Any) -> Any:
@@ -90,25 +83,15 @@ def _private(value: Any) -> Any:
     copied = _COPIES.get(key)
     if copied is None:
         copied = _COPIES[key] = copy.deepcopy(value)
+        if len(_COPIES) > _MAX_COPIES:
+            _COPIES.popitem(last=False)
+    else:
+        _COPIES.move_to_end(key)
     return copied
 
 
 def _put(value: Any) -> None:
-    _SLOT[:] = [value if isinstance(value, _Raise) or value is None else _private(value)]
-
-
-@torch._dynamo.assume_constant_result
-def taken() -> Any:
-    """The value the last comptime planner put in the slot (see the Note)."""
-    value = _SLOT.pop() if _SLOT else None
-    if isinstance(value, _Raise):
-        raise value.error
-    return value
-
-
-def _vt(ctx, name: str):
-    vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
-    return vt.realize() if hasattr(vt, "realize") else vt
+    handoff.put(value if isinstance(value, handoff.Raise) or value is None else _private(value))
 
 
 def _static(t: torch.Tensor) -> bool:
@@ -128,7 +111,7 @@ def _values(vt) -> list | None:
 
     values = []
     for item in getattr(vt, "items", None) or ():
-        item = item.realize() if hasattr(item, "realize") else item
+        item = realized(item)
         if isinstance(item, TensorVariable):
             v = node_value(item.as_proxy().node)
             if not isinstance(v, torch.Tensor) or not _static(v):
@@ -144,7 +127,7 @@ def _values(vt) -> list | None:
 def _local_map(ctx):
     from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
 
-    vt = _vt(ctx, "lm")
+    vt = local_vt(ctx, "lm")
     if type(vt) is not UserDefinedObjectVariable or getattr(vt, "source", None) is None:
         return None  # built inside the traced code: its real object is not filled in
     return vt.value
@@ -156,7 +139,7 @@ def plan_call(ctx) -> None:
     from torch._dynamo.variables.lists import TupleVariable
 
     lm = _local_map(ctx)
-    args_vt = _vt(ctx, "args")
+    args_vt = local_vt(ctx, "args")
     values = _values(args_vt) if lm is not None and type(args_vt) is TupleVariable else None
     if values is None or argtree.wants_nested(lm.in_placements, len(values), len(values)):
         _put(None)
@@ -164,7 +147,7 @@ def plan_call(ctx) -> None:
     try:
         plan = call_plan(lm, values)
     except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
-        _put(_Raise(compile_time(e)))
+        _put(handoff.Raise(compile_time(e)))
         return
     _put(plan)
 
@@ -246,7 +229,7 @@ def plan_outputs(ctx) -> None:
     from torch._dynamo.variables.tensor import TensorVariable
 
     lm = _local_map(ctx)
-    out_vt = _vt(ctx, "out")
+    out_vt = local_vt(ctx, "out")
     if isinstance(out_vt, TensorVariable):
         outs = _values(_Items([out_vt]))
         single = True
@@ -255,15 +238,15 @@ def plan_outputs(ctx) -> None:
         single = False
     else:
         outs = None
-    args = _values(_vt(ctx, "args"))
-    locals_ = _values(_vt(ctx, "flat_local"))
+    args = _values(local_vt(ctx, "args"))
+    locals_ = _values(local_vt(ctx, "flat_local"))
     if lm is None or outs is None or args is None or locals_ is None or any(
         not isinstance(o, torch.Tensor) for o in outs
     ):
         _put(None)
         return
     # the input plan plan_call made for this call (a constant in the frame)
-    enters = _vt(ctx, "enters").as_python_constant()
+    enters = local_vt(ctx, "enters").as_python_constant()
     try:
         notes = annotations_of(lm)
         exits: list[tuple] = []
@@ -275,7 +258,7 @@ def plan_outputs(ctx) -> None:
                 exits.append((spec, None, None, notes.exit(idx)))
         _put((single, tuple(exits)))
     except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
-        _put(_Raise(compile_time(e)))
+        _put(handoff.Raise(compile_time(e)))
 
 
 class _Items:

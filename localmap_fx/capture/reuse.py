@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
 
 from ..analysis import copy_nodes, find_effects, span_io, storage_key
 from ..graph_utils import node_value
+from . import handoff
+from .handoff import local_vt, realized, taken
 
 __all__ = ["region_reuse", "reuse_enabled", "run_body", "SHARED_BODY_PREFIX"]
 
@@ -95,17 +98,39 @@ class _SharedBodies:
     ``getattr(_SHARED, name)``, which Dynamo guards like any attribute."""
 
 
+# Note: [Shared bodies do not keep the user's function alive]
+#     The registry is per user function, held weakly: ``_NAMES[func]`` maps
+#     the rest of a region key to the name of its shared body, and a shared
+#     body reaches ``func`` through a weak reference (Dynamo traces calling
+#     it like calling ``func``).  So nothing here keeps a function, or what
+#     its closure holds, alive; when the function is collected its shared
+#     bodies are removed from ``_SHARED``.  (Dynamo's own caches, guards and
+#     compiled code may still hold it until ``torch._dynamo.reset()``.)
 _SHARED = _SharedBodies()
-_NAMES: dict[tuple, str] = {}
+_NAMES: weakref.WeakKeyDictionary[Callable, dict[tuple, str]] = weakref.WeakKeyDictionary()
+_ids = itertools.count()
 
 
-def _shared_body_name(key: tuple, func: Callable) -> str:
-    name = _NAMES.get(key)
+def _forget(names: dict[tuple, str]) -> None:
+    for name in names.values():
+        if hasattr(_SHARED, name):
+            delattr(_SHARED, name)
+
+
+def _shared_body_name(func: Callable, body_key: tuple) -> str:
+    """The shared body of ``func`` for ``body_key`` (the region key without
+    ``func``, so that the registry does not hold the function)."""
+    names = _NAMES.get(func)
+    if names is None:
+        names = _NAMES[func] = {}
+        weakref.finalize(func, _forget, names)
+    name = names.get(body_key)
     if name is None:
-        name = f"{SHARED_BODY_PREFIX}{len(_NAMES)}"
+        name = f"{SHARED_BODY_PREFIX}{next(_ids)}"
+        func_ref = weakref.ref(func)
 
         def shared_body(*args):
-            return func(*args)
+            return func_ref()(*args)  # type: ignore[misc]  # alive: the region calling it holds it
 
         # Its own code object: torch's reuse cache is keyed on it.
         shared_body.__code__ = shared_body.__code__.replace(co_name=name)
@@ -114,7 +139,7 @@ def _shared_body_name(key: tuple, func: Callable) -> str:
         # (exceeding it is a RuntimeError).
         shared_body.__marked_compile_region_max_reuse_entries__ = sys.maxsize  # type: ignore[attr-defined]
         setattr(_SHARED, name, shared_body)
-        _NAMES[key] = name
+        names[body_key] = name
     return name
 
 
@@ -141,24 +166,26 @@ class _TraceState:
     probes: list = dataclasses.field(default_factory=list)
 
 
-# id(OutputGraph) -> (weak reference to it, its state); OutputGraph is unhashable
+# id(OutputGraph) -> (weak reference to it, its state); OutputGraph is
+# unhashable.  An entry goes when its OutputGraph does: its verdicts' keys
+# hold the user's functions.
 _STATES: dict[int, tuple[weakref.ref, _TraceState]] = {}
-_DECISIONS: list = []
+
+
+def _drop_state(key: int, ref: weakref.ref) -> None:
+    entry = _STATES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _STATES[key]
 
 
 def _state(tx) -> _TraceState:
     output = tx.output
     entry = _STATES.get(id(output))
     if entry is None or entry[0]() is not output:
-        for k in [k for k, (ref, _) in _STATES.items() if ref() is None]:
-            del _STATES[k]
-        entry = _STATES[id(output)] = (weakref.ref(output), _TraceState())
+        ref = weakref.ref(output)
+        entry = _STATES[id(output)] = (ref, _TraceState())
+        weakref.finalize(output, _drop_state, id(output), ref)
     return entry[1]
-
-
-def _vt(ctx, name: str):
-    vt = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
-    return vt.realize() if hasattr(vt, "realize") else vt
 
 
 def _storages(t: torch.Tensor) -> set:
@@ -175,21 +202,21 @@ def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
     if _local_tensor_mode():
         # torch 2.14.1 has no invoke_subgraph rule for LocalTensor
         return None, [], None
-    func_vt = _vt(ctx, "func")
+    func_vt = local_vt(ctx, "func")
     if type(func_vt) is not UserFunctionVariable:
         return None, [], None
     func = func_vt.get_function()
     try:
-        spec = _vt(ctx, "spec").as_python_constant()
-        mesh = _vt(ctx, "mesh").as_python_constant()
+        spec = local_vt(ctx, "spec").as_python_constant()
+        mesh = local_vt(ctx, "mesh").as_python_constant()
     except Exception:  # noqa: BLE001 - not constants: no reuse
         return None, [], None
     if not isinstance(spec, dict) or spec.get("spmd_types"):
         return None, [], None
     arg_keys: list = []
     fakes: list = []
-    for item in _vt(ctx, "local_args").items:
-        item = item.realize() if hasattr(item, "realize") else item
+    for item in local_vt(ctx, "local_args").items:
+        item = realized(item)
         if isinstance(item, TensorVariable):
             t = node_value(item.as_proxy().node)
             if not isinstance(t, torch.Tensor) or type(t).__name__ == "DTensor":
@@ -249,10 +276,10 @@ def _lookup(ctx) -> None:
                 _Probe(key, graph, set(graph.nodes), fakes)
             )
         elif verdict.safe and func is not None and _disjoint(fakes, verdict.captured):
-            decision = _shared_body_name(key, func)
-    # one slot, overwritten by every lookup: run_body reads it right after
-    # (a restarted trace reruns the lookup first), so nothing stale survives
-    _DECISIONS[:] = [decision]
+            decision = _shared_body_name(func, key[1:])
+    # run_body takes it right after (Note: [Handing a value from comptime
+    # back to the trace])
+    handoff.put(decision)
 
 
 def _probe_end(ctx) -> None:
@@ -267,7 +294,7 @@ def _probe_end(ctx) -> None:
     probe = state.probes.pop()
     graph = ctx.graph()
     safe = graph is probe.graph  # else a graph break split the body
-    out = _vt(ctx, "out")
+    out = local_vt(ctx, "out")
     outs: list
     if isinstance(out, TensorVariable):
         outs = [out]
@@ -316,11 +343,6 @@ def _body_is_pure(tx, new: list[fx.Node], outputs: list[fx.Node], args: list) ->
     return not any(id(node_value(inputs[i])) in arg_ids for i, _ in effects.written_inputs())
 
 
-@torch._dynamo.assume_constant_result
-def _decision() -> str | None:
-    return _DECISIONS.pop() if _DECISIONS else None
-
-
 def run_body(func: Callable, local_args: tuple, kwargs: dict, spec: dict, mesh: Any) -> Any:
     """Call the region body ``func(*local_args, **kwargs)`` (traced by Dynamo).
 
@@ -331,7 +353,7 @@ def run_body(func: Callable, local_args: tuple, kwargs: dict, spec: dict, mesh: 
     if kwargs or not _ENABLED:
         return func(*local_args, **kwargs)
     comptime(_lookup)
-    name = _decision()
+    name = taken()
     if name is not None:
         return invoke_subgraph_placeholder(getattr(_SHARED, name), *local_args)
     out = func(*local_args)

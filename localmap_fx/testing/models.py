@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ..api import local_map
 
-__all__ = ["Model", "MODELS", "grad_tensors"]
+__all__ = ["Model", "MODELS", "grad_tensors", "tp_block", "layer_region", "COL_GRAD_PLACEMENTS", "ROW_GRAD_PLACEMENTS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,25 +50,52 @@ def _row(h, w):
     return h @ w
 
 
-def _tp_mlp_build(mesh, seed=0):
-    col = local_map(
+COL_GRAD_PLACEMENTS = ([Partial()], [Shard(1)])
+ROW_GRAD_PLACEMENTS = ([Shard(1)], [Shard(0)])
+
+
+def tp_block(
+    mesh: DeviceMesh | None,
+    *,
+    local_map_fn: Callable = local_map,
+    col_grads: tuple | None = COL_GRAD_PLACEMENTS,
+    row_grads: tuple | None = None,
+    spmd_types: bool = False,
+) -> tuple[Callable, Callable]:
+    """The two regions of one Megatron-style tensor-parallel MLP block.
+
+    ``col(x, w1) = relu(x @ w1)``: x ``[R]``, w1 ``[S(1)]`` -> ``[S(1)]``;
+    ``row(h, w2) = h @ w2``: h ``[S(1)]``, w2 ``[S(0)]`` -> ``[Partial()]``.
+    ``col_grads`` / ``row_grads`` are their ``in_grad_placements`` (by
+    default x's gradient is ``Partial``, row's are DTensor's defaults);
+    ``local_map_fn`` is ours or torch's ``local_map`` (same signature);
+    ``mesh=None`` takes the arguments' mesh.
+    """
+    col = local_map_fn(
         _col,
         out_placements=[Shard(1)],
         in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
+        in_grad_placements=col_grads,
         device_mesh=mesh,
+        spmd_types=spmd_types,
     )
-    row = local_map(
+    row = local_map_fn(
         _row,
         out_placements=[Partial()],
         in_placements=([Shard(1)], [Shard(0)]),
+        in_grad_placements=row_grads,
         device_mesh=mesh,
+        spmd_types=spmd_types,
     )
+    return col, row
+
+
+def _tp_mlp_build(mesh, seed=0, spmd_types=False):
     return {
         "x": _dist(_rand(seed, 8, 16), mesh, [Replicate()]),
         "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Shard(1)]),
         "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Shard(0)]),
-        "fns": (col, row),
+        "fns": tp_block(mesh, col_grads=None if spmd_types else COL_GRAD_PLACEMENTS, spmd_types=spmd_types),
         "mesh": mesh,
     }
 
@@ -101,12 +128,7 @@ def _attn_build(mesh, seed=0):
         in_grad_placements=([Partial()], [Shard(1)], [Shard(1)], [Shard(1)], None),
         device_mesh=mesh,
     )
-    proj = local_map(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-    )
+    _, proj = tp_block(mesh)  # its row-parallel region
     d = 4 * heads
     return {
         "x": _dist(_rand(seed, 6, d), mesh, [Replicate()]),
@@ -127,6 +149,12 @@ def _attn_step(s):
     return y.pow(2).mean()
 
 
+# --- one region fn(x, w), its output replicated and summed -------------------
+
+def _one_region_state(fn, mesh, x: DTensor, w: DTensor) -> dict:
+    return {"x": x, "w": w, "fns": (fn,), "mesh": mesh}
+
+
 # --- region with redistribute_inputs=True -------------------------------------
 
 def _scale_rows(x, w):
@@ -141,13 +169,10 @@ def _redistribute_build(mesh, seed=0):
         redistribute_inputs=True,
         device_mesh=mesh,
     )
-    return {
-        # x arrives Shard(1) and w Shard(0): both are redistributed on entry.
-        "x": _dist(_rand(seed, 8, 8), mesh, [Shard(1)]),
-        "w": _dist(_rand(seed + 1, 8, 8), mesh, [Shard(0)]),
-        "fns": (fn,),
-        "mesh": mesh,
-    }
+    # x arrives Shard(1) and w Shard(0): both are redistributed on entry.
+    return _one_region_state(
+        fn, mesh, _dist(_rand(seed, 8, 8), mesh, [Shard(1)]), _dist(_rand(seed + 1, 8, 8), mesh, [Shard(0)])
+    )
 
 
 def _redistribute_step(s):
@@ -159,19 +184,10 @@ def _redistribute_step(s):
 # --- in_grad_placements=Partial on a Replicate input -------------------------
 
 def _partial_grad_build(mesh, seed=0):
-    fn = local_map(
-        _col,
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
-        device_mesh=mesh,
+    fn, _ = tp_block(mesh)  # its column-parallel region
+    return _one_region_state(
+        fn, mesh, _dist(_rand(seed, 4, 8), mesh, [Replicate()]), _dist(_rand(seed + 1, 8, 8), mesh, [Shard(1)])
     )
-    return {
-        "x": _dist(_rand(seed, 4, 8), mesh, [Replicate()]),
-        "w": _dist(_rand(seed + 1, 8, 8), mesh, [Shard(1)]),
-        "fns": (fn,),
-        "mesh": mesh,
-    }
 
 
 def _partial_grad_step(s):
@@ -186,14 +202,20 @@ def _layer(x, w):
     return torch.tanh(x @ w) + x
 
 
-def _loop_build(mesh, seed=0, n_layers=3):
-    fn = local_map(
+def layer_region(mesh: DeviceMesh, *, local_map_fn: Callable = local_map) -> Callable:
+    """One residual layer ``tanh(x @ w) + x``: x ``[S(0)]``, w ``[R]`` (its
+    gradient ``Partial``) -> ``[S(0)]``; ours or torch's ``local_map``."""
+    return local_map_fn(
         _layer,
         out_placements=[Shard(0)],
         in_placements=([Shard(0)], [Replicate()]),
         in_grad_placements=([Shard(0)], [Partial()]),
         device_mesh=mesh,
     )
+
+
+def _loop_build(mesh, seed=0, n_layers=3):
+    fn = layer_region(mesh)
     return {
         "x": _dist(_rand(seed, 8, 8), mesh, [Shard(0)]),
         "ws": [_dist(_rand(seed + 1 + i, 8, 8) / 4, mesh, [Replicate()]) for i in range(n_layers)],
@@ -213,27 +235,7 @@ def _loop_step(s):
 # --- spmd_types=True region ---------------------------------------------------
 
 def _spmd_build(mesh, seed=0):
-    col = local_map(
-        _col,
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        device_mesh=mesh,
-        spmd_types=True,
-    )
-    row = local_map(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-        spmd_types=True,
-    )
-    return {
-        "x": _dist(_rand(seed, 8, 16), mesh, [Replicate()]),
-        "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Shard(1)]),
-        "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Shard(0)]),
-        "fns": (col, row),
-        "mesh": mesh,
-    }
+    return _tp_mlp_build(mesh, seed, spmd_types=True)
 
 
 # --- 2-D mesh (dp x tp) -------------------------------------------------------
