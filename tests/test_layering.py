@@ -51,8 +51,16 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.lowering.plan",
         "localmap_fx.spmd.check",
     ),
+    ("localmap_fx.spmd.global_check",),
     ("localmap_fx.spmd.types", "localmap_fx.capture.plan"),
-    ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd.rules", "localmap_fx.capture.reuse"),
+    (
+        "localmap_fx.validate",
+        "localmap_fx.region",
+        "localmap_fx.spmd.rules",
+        "localmap_fx.capture.reuse",
+        "localmap_fx.spmd.global_oracle",
+        "localmap_fx.spmd.global_rules",
+    ),
     (
         "localmap_fx.argtree",
         "localmap_fx.graph_utils",
@@ -68,6 +76,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.compiler.options",
         "localmap_fx.capture",
         "localmap_fx.spmd",
+        "localmap_fx.spmd.global_state",
     ),
 ]
 RANK = {m: len(LAYERS) - i for i, layer in enumerate(LAYERS) for m in layer}
