@@ -151,7 +151,7 @@ def propagate(
             return hit
     except TypeError:
         key = None
-    result = _run_meta(func, leaves, spec, states, mesh_of())
+    result = _run_meta(func, leaves, spec, states, mesh_of)
     if key is not None:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
@@ -159,14 +159,17 @@ def propagate(
     return result
 
 
-def _run_meta(func, leaves, spec, states, mesh) -> Propagation:
+def _run_meta(func, leaves, spec, states, mesh_of) -> Propagation:
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     from torch.utils._python_dispatch import _disable_current_modes
 
     rec = _Recorder()
     _FAKE_LOG.addFilter(_DROP)
     try:
+        # no mode of the body's run (spmd_types' checker, FakeTensorMode, LocalTensorMode)
+        # may see the meta run, nor the mesh slicing (tensor ops on the mesh's ranks)
         with maybe_disable_local_tensor_mode(), _disable_current_modes(), torch._C.DisableTorchFunction():
+            mesh = mesh_of()
             meta_leaves = []
             for x, s in zip(leaves, states):
                 if isinstance(x, torch.Tensor):
