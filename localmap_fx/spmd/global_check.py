@@ -149,6 +149,26 @@ def op_name(func: Any) -> str:
 # --- the check -----------------------------------------------------------------------
 
 
+# Note: [Combined per-shard statistics]
+#     A non-linear op on a pending reduction is an error: ``relu(x @ w)``
+#     before the all-reduce, ``mean + eps`` over a sharded hidden dim, a
+#     bias added to a partial sum.  One pattern is not: a value made of
+#     *several* statistics of the local shard (``sum``/``mean``/``amax``
+#     over a sharded dim) combined non-linearly, e.g. DeepSeek-V3's
+#     sequence-wise balance loss ``(counts * mean_probs).sum()`` per data
+#     shard, returned Partial.  It is per-shard by design (the loss is
+#     defined per shard), and DTensor cannot tell it from a bug.  So when
+#     every pending input of a non-linear op is such a statistic, and there
+#     are two or more, the result is opaque (no verdict).  A contraction's
+#     summand (``x @ w``, ``einsum``) or a Partial input is never excused.
+#
+# Note: [Index bookkeeping]
+#     A whole-dimension op on an integer or bool tensor over a shard
+#     (``one_hot(idx).cumsum(0)`` for dispatch slots, ``argsort`` of expert
+#     ids) computes per-rank positions for local dispatch, not model math:
+#     its result is opaque rather than an error.
+
+
 class GlobalCheck:
     """The global check of one region body on one mesh (reusable across calls)."""
 
@@ -325,8 +345,7 @@ class GlobalCheck:
             rule, x, dims = whole
             sx = self.state(x)[k]
             if isinstance(sx, Sharded) and sx.dim in dims:
-                if x.dtype in _INDEX_DTYPES:
-                    # per-rank index bookkeeping (dispatch slots, counts): no claim
+                if x.dtype in _INDEX_DTYPES:  # Note: [Index bookkeeping]
                     return [Opaque(f"`{name}` of integer data over a shard")] * n_out
                 raise self._whole_dim_error(k, name, rule, sx, site)
         opaque = next((s for s in states if isinstance(s, Opaque)), None)
@@ -335,9 +354,13 @@ class GlobalCheck:
         if any(isinstance(s, Stacked) for s in states):
             return [Opaque(f"`{name}` of gathered blocks")] * n_out
         prop = global_oracle.propagate(func, args, kwargs, lambda t: self.state(t)[k], lambda: self.submesh(k), self.sizes[k])
-        for r in prop.redistributions:
-            if r.from_pending or r.to_pending:
-                raise self._nonlinear_error(k, name, r, states, site)
+        if any(r.from_pending or r.to_pending for r in prop.redistributions):
+            pending = [s for s in states if isinstance(s, Pending)]
+            if len(pending) > 1 and all(p.statistic for p in pending):
+                # Note: [Combined per-shard statistics]
+                return [Opaque(f"`{name}` combines per-shard statistics")] * n_out
+            r = next(r for r in prop.redistributions if r.from_pending or r.to_pending)
+            raise self._nonlinear_error(k, name, r, states, site)
         if prop.redistributions:
             return [Opaque(f"`{name}` needs {prop.redistributions[0]}")] * n_out
         if prop.failure or len(prop.outputs) != n_out:
@@ -354,7 +377,7 @@ class GlobalCheck:
                 if pend_in is not None and pend_in.op == op:
                     result.append(pend_in)  # a linear op passes the pending reduction on
                 else:
-                    result.append(Pending(op, site(), name))
+                    result.append(Pending(op, site(), name, statistic=func not in _CONTRACTIONS))
             else:
                 result.append(Opaque(f"`{name}` gives {p}"))
         return result
@@ -520,6 +543,14 @@ class GlobalCheck:
 
 _INDEX_DTYPES = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+# ops whose Partial output is a summand of a contraction over a sharded dim
+_CONTRACTIONS = frozenset(
+    {
+        torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+        torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.einsum, torch.tensordot,
+        torch.addmm, torch.baddbmm, torch.nn.functional.linear, torch.Tensor.__rmatmul__,
+    }
 )
 _CAT_OPS = frozenset({torch.cat, torch.concat, torch.concatenate})
 _CHUNK_OPS = frozenset({torch.chunk, torch.Tensor.chunk, torch.split, torch.Tensor.split})

@@ -98,6 +98,9 @@ class Pending(DimState):
     op: str  # the reduction still to come: "sum", "avg", "max", "min", "product"
     origin: Site | None = dataclasses.field(default=None, compare=False)
     origin_op: str = dataclasses.field(default="", compare=False)
+    # a statistic of the local shard (sum/mean/amax over a sharded dim), as
+    # opposed to a contraction's summand or a Partial input
+    statistic: bool = dataclasses.field(default=False, compare=False)
 
     def key(self) -> tuple:
         return ("P", self.op)
