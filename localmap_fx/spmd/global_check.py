@@ -301,12 +301,12 @@ class GlobalCheck:
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, site: Callable[[], Site | None]) -> None:
         """Derive and attach the states of ``out`` (raise on a wrong op)."""
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = tensors_in(out)
         if not outs:
             if op_name(func) == "[]=" and args and isinstance(args[0], torch.Tensor):
                 self._after_setitem(args)
             return
-        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        ins = tensors_in(args) + tensors_in(kwargs)
         in_states = [self.state(t) for t in ins]
         if func not in _CAT_OPS and all(s == REPLICATED for st in in_states for s in st):
             for o in outs:  # e.g. an in-place op on a fresh tensor, or a chunk
@@ -577,18 +577,37 @@ class _GlobalMode(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) == "__get__" or func in _PASSTHROUGH:
             return _next_mode(func, args, kwargs)
-        call = global_rules.collective_of(func, args, kwargs)
-        if call is not None:
-            states = self.check.before_collective(call, self.site)
-            out = _next_mode(func, args, kwargs)
-            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            for x, o, s in zip(call.tensors, outs, states):
+        # The bookkeeping reads shapes and dtypes: with torch functions off, so
+        # that spmd_types' checker below does not see (and pay for) each read.
+        with _NO_TORCH_FUNCTION():
+            call = global_rules.collective_of(func, args, kwargs)
+            states = None if call is None else self.check.before_collective(call, self.site)
+        out = _next_mode(func, args, kwargs)
+        with _NO_TORCH_FUNCTION():
+            if call is None:
+                self.check.after_op(func, args, kwargs, out, self.site)
+                return out
+            for x, o, s in zip(call.tensors, tensors_in(out), states or ()):
                 self.check._stamp(o, s)
                 self.check._mark_gathered(call, x, o)
-            return out
-        out = _next_mode(func, args, kwargs)
-        self.check.after_op(func, args, kwargs, out, self.site)
         return out
+
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or result (tuples, lists, dicts), in pytree order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list[torch.Tensor] = []
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            out.extend(tensors_in(x))
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            out.extend(tensors_in(x))
+    return out
 
 
 _PASSTHROUGH = frozenset(

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._debug_mode import DebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .global_state import REPLICATED, DimState, Pending, Sharded
 
@@ -72,7 +73,13 @@ class _Recorder(DebugMode):
     """Keeps DTensor's redistributions of op arguments; see Note: [Recording DTensor's redistributions]."""
 
     def __init__(self) -> None:
-        super().__init__(record_realtensor=False, record_output=False)
+        # Not DebugMode.__init__: its first call imports torch._inductor (seconds)
+        # to register a lowering for DebugMode's annotations, which a recorder
+        # never makes.  Only what DebugMode.__enter__/__exit__ read is set.
+        TorchDispatchMode.__init__(self)
+        self.record_torchfunction = False
+        self.record_nn_module = False
+        self.record_stack_trace = False
         self.seen: list[Redistribution] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -91,6 +98,16 @@ class _Recorder(DebugMode):
 
     def record_output_placements(self, output_spec) -> None:
         return None
+
+
+# recorders are reused (a list, so that a nested meta run takes another one)
+_RECORDERS: list[_Recorder] = []
+
+
+def _recorder() -> _Recorder:
+    rec = _RECORDERS.pop() if _RECORDERS else _Recorder()
+    rec.seen = []
+    return rec
 
 
 class _DropFakeTensorLogs(logging.Filter):
@@ -117,10 +134,15 @@ _CACHE: dict[tuple, Propagation] = {}
 _CACHE_MAX = 4096
 
 
-def _leaf_key(x: Any, state: DimState | None) -> Any:
+def _key(x: Any, state_of: Callable[[torch.Tensor], DimState]) -> Any:
+    """A hashable description of an op argument; TypeError when there is none."""
     if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.dtype, x.is_contiguous(), None if state is None else state.key())
-    hash(x)  # TypeError: not cacheable
+        return ("T", tuple(x.shape), x.dtype, x.is_contiguous(), state_of(x).key())
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_key(v, state_of) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _key(v, state_of)) for k, v in x.items()))
+    hash(x)
     return (type(x), x)
 
 
@@ -140,17 +162,17 @@ def propagate(
 ) -> Propagation:
     """Run ``func`` on meta DTensors of the 1-D mesh ``mesh_of()`` (``size`` ranks)
     whose placements are the inputs' states."""
+    try:
+        key: tuple | None = (func, size, _key(args, state_of), _key(kwargs, state_of))
+        hit = _CACHE.get(key)  # type: ignore[arg-type]
+        if hit is not None:
+            return hit
+    except TypeError:  # an unhashable argument (or a symbolic size): not cached
+        key = None
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if any(_symbolic(x) for x in leaves):
         return Propagation(failure="symbolic sizes")
     states = [state_of(x) if isinstance(x, torch.Tensor) else None for x in leaves]
-    try:
-        key: tuple | None = (func, size, spec, tuple(_leaf_key(x, s) for x, s in zip(leaves, states)))
-        hit = _CACHE.get(key)  # type: ignore[arg-type]
-        if hit is not None:
-            return hit
-    except TypeError:
-        key = None
     result = _run_meta(func, leaves, spec, states, mesh_of)
     if key is not None:
         if len(_CACHE) >= _CACHE_MAX:
@@ -163,7 +185,7 @@ def _run_meta(func, leaves, spec, states, mesh_of) -> Propagation:
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    rec = _Recorder()
+    rec = _recorder()
     _FAKE_LOG.addFilter(_DROP)
     try:
         # no mode of the body's run (spmd_types' checker, FakeTensorMode, LocalTensorMode)
@@ -186,6 +208,7 @@ def _run_meta(func, leaves, spec, states, mesh_of) -> Propagation:
                 return Propagation(tuple(rec.seen), failure=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     finally:
         _FAKE_LOG.removeFilter(_DROP)
+        _RECORDERS.append(rec)
     outs = tuple(
         o.placements[0] if isinstance(o, DTensor) else None
         for o in pytree.tree_leaves(out)

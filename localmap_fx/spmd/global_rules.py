@@ -207,21 +207,31 @@ def collective_of(func: Any, args: tuple, kwargs: dict) -> CollectiveCall | None
     return _spmd_collective(func, args, kwargs)
 
 
+_SPMD_KINDS: dict[Any, str] = {}
+
+
+def _spmd_kinds() -> dict[Any, str]:
+    if not _SPMD_KINDS:
+        import spmd_types as spmd
+
+        _SPMD_KINDS.update(
+            {
+                spmd.all_reduce: "all_reduce",
+                spmd.all_gather: "all_gather",
+                spmd.reduce_scatter: "reduce_scatter",
+                spmd.all_to_all: "all_to_all",
+            }
+        )
+    return _SPMD_KINDS
+
+
 def _spmd_collective(func: Any, args: tuple, kwargs: dict) -> CollectiveCall | None:
     """spmd_types' own collectives (``spmd.all_reduce(x, axis, src=P, dst=R)``, ...)."""
-    try:
-        import spmd_types as spmd
-    except ImportError:  # pragma: no cover
-        return None
-    kinds = {
-        spmd.all_reduce: "all_reduce",
-        spmd.all_gather: "all_gather",
-        spmd.reduce_scatter: "reduce_scatter",
-        spmd.all_to_all: "all_to_all",
-    }
-    kind = kinds.get(func)
+    kind = _spmd_kinds().get(func)
     if kind is None:
         return None
+    import spmd_types as spmd
+
     x = args[0] if args else kwargs.get("x")
     axis = args[1] if len(args) > 1 else kwargs.get("axis")
     src, dst = kwargs.get("src"), kwargs.get("dst")
