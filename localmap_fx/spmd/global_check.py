@@ -34,6 +34,7 @@ line.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -217,7 +218,7 @@ class GlobalCheck:
             if spec is None:
                 s: GlobalState = (REPLICATED,) * len(self.names)
             else:
-                s = states_of_placements(spec, t.ndim, Site("", 0, what=f"in_placements[{i}] = {_fmt(spec)}"))
+                s = _input_states(i, tuple(spec), t.ndim)
             self._stamp(t, s)
 
     def mode(self, site: Callable[[], Site | None] = eager_site) -> _GlobalMode:
@@ -554,6 +555,12 @@ _CONTRACTIONS = frozenset(
 )
 _CAT_OPS = frozenset({torch.cat, torch.concat, torch.concatenate})
 _CHUNK_OPS = frozenset({torch.chunk, torch.Tensor.chunk, torch.split, torch.Tensor.split})
+
+
+@functools.lru_cache(maxsize=1024)
+def _input_states(i: int, spec: tuple, ndim: int) -> GlobalState:
+    """The states of region input ``i`` placed ``spec`` (made once per input and spec)."""
+    return states_of_placements(spec, ndim, Site("", 0, what=f"in_placements[{i}] = {_fmt(spec)}"))
 
 
 def _fmt(spec: Any) -> str:
