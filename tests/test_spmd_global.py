@@ -210,6 +210,26 @@ def test_compiled_program_carries_no_check(fake_pg):
         f(*args)
 
 
+def test_spmd_types_own_collectives_are_tracked_in_eager(fake_pg):
+    import spmd_types as spmd
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rest", "tp"))["tp"]
+    group = mesh.get_group(0)
+
+    def right(x, w):
+        return torch.relu(spmd.all_reduce(x @ w, group, src=spmd.P, dst=spmd.R))
+
+    def wrong(x, w):
+        return spmd.all_reduce(torch.relu(x @ w), group, src=spmd.P, dst=spmd.R)
+
+    args = [distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)]), distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])]
+    specs = ([Shard(1)], [Shard(0)])
+    localmap_fx.local_map(right, [Replicate()], specs, None, mesh, spmd_types="global")(*args)
+    with pytest.raises(SpmdGlobalError, match="all-reduce before `relu`"):
+        localmap_fx.local_map(wrong, [Replicate()], specs, None, mesh, spmd_types="global")(*args)
+
+
 def test_spmd_types_values():
     with pytest.raises(ValueError, match='use False, True or "global"'):
         localmap_fx.local_map(lambda x: x, [Replicate()], ([Replicate()],), spmd_types="glob")

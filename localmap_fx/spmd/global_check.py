@@ -486,7 +486,9 @@ class GlobalCheck:
                     "different blocks of the tensor elementwise"
                 )
             elif s == REPLICATED:
-                fix = f"drop it: the value is already the same on every rank ({call.reduce_op} over {self.sizes[k]} copies)"
+                if call.reduce_op != "sum":
+                    return REPLICATED  # avg/max/min of equal copies is the value (spmd_types' rules decide)
+                fix = f"drop it: the value is already the same on every rank (a sum of {self.sizes[k]} copies)"
             elif isinstance(s, Stacked):
                 return Opaque("all_reduce of gathered blocks")
         elif kind == "all_gather":

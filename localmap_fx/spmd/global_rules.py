@@ -240,5 +240,7 @@ def _spmd_collective(func: Any, args: tuple, kwargs: dict) -> CollectiveCall | N
     if isinstance(shard, spmd.types.Shard):
         dim = shard.dim
     if kind == "all_reduce" and src is not spmd.P:
-        kind = "all_to_all"  # V -> R "sums per-rank values": no claim about a global tensor
+        # V -> R sums per-rank values: no claim about a global tensor, but the
+        # result is the same on every rank
+        kind = "broadcast"
     return CollectiveCall(kind, _tensors(x), "sum" if kind in ("all_reduce", "reduce_scatter") else None, axis, dim)
