@@ -52,7 +52,7 @@ def _rand(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g)
 
 
-def tp_regions(impl: str, mesh, spmd_types: bool = False):
+def tp_regions(impl: str, mesh, spmd_types: bool | str = False):
     """The column- and row-parallel regions of one TP block, with ``impl``'s local_map."""
     return tp_block(
         mesh,

@@ -34,7 +34,7 @@ def local_map(
     device_mesh: DeviceMesh | None = None,
     *,
     redistribute_inputs: bool = False,
-    spmd_types: bool = False,
+    spmd_types: bool | str = False,
 ):
     """Run ``func``, written for local tensors, on the local shards of DTensors.
 
@@ -48,6 +48,11 @@ def local_map(
 
     With ``spmd_types=True`` the body runs under strict SPMD type checking
     (spmd_types 0.3.1) and the outputs' types decide their grad placements.
+    ``spmd_types="global"`` checks that too and, in addition, that the body
+    computes on the global tensors what its placements claim (a non-linear
+    op on a pending reduction, a softmax or norm over a sharded dimension, a
+    collective on the wrong layout raise ``SpmdGlobalError``; see
+    :mod:`localmap_fx.spmd.global_check`).
 
     Under ``torch.compile`` each call becomes one region of the captured graph
     (see :func:`localmap_fx.find_regions`).
@@ -90,8 +95,12 @@ class LocalMap:
         in_grad_placements: Any,
         device_mesh: DeviceMesh | None,
         redistribute_inputs: bool,
-        spmd_types: bool,
+        spmd_types: bool | str,
     ) -> None:
+        if isinstance(spmd_types, str) and spmd_types != "global":
+            raise ValueError(
+                f'local_map(spmd_types={spmd_types!r}) is not supported: use False, True or "global".'
+            )
         # First: update_wrapper copies func.__dict__ onto self, and when func is
         # itself a LocalMap (nested local_map) that would overwrite the fields
         # set below with the inner call's.

@@ -281,11 +281,16 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             splan.annotate_inputs(flat_local, in_specs, in_grads)
         except ValueError as e:
             raise spmd.explain(e, mesh) from None
-        try:
-            with splan.checking():
-                out = lm.func(*local_args, **kwargs)
-        except spmd.spmd.SpmdTypeError as e:
-            raise spmd.explain(e, mesh) from None
+        if lm.spmd_types == "global":
+            from .spmd.global_check import run_eager
+
+            out = run_eager(lm.func, local_args, kwargs, flat_local, in_specs, plan.out_specs, mesh, splan.checking)
+        else:
+            try:
+                with splan.checking():
+                    out = lm.func(*local_args, **kwargs)
+            except spmd.spmd.SpmdTypeError as e:
+                raise spmd.explain(e, mesh) from None
     else:
         out = lm.func(*local_args, **kwargs)
 

@@ -95,7 +95,7 @@ def spec_annotation(
     in_grad_placements: Any,
     device_mesh: DeviceMesh | None,
     redistribute_inputs: bool,
-    spmd_types: bool,
+    spmd_types: bool | str,
     identity: tuple[str, str] | None = None,
     body_key: int | None = None,
 ) -> dict:
@@ -128,7 +128,8 @@ def spec_annotation(
             "out": norm(out_specs),
             "in_grad": norm(in_grad_placements),
             "redistribute_inputs": bool(redistribute_inputs),
-            "spmd_types": bool(spmd_types),
+            # True, False or "global" (see spmd.global_check)
+            "spmd_types": spmd_types if spmd_types == "global" else bool(spmd_types),
             "has_mesh": device_mesh is not None,
             # spmd_types=True: finds the body at compile time (spmd.functions)
             "body": body_key,
@@ -166,7 +167,7 @@ class RegionSpec:
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...] | None
     redistribute_inputs: bool
-    spmd_types: bool
+    spmd_types: bool | str  # True, False or "global"
     call_site: str
     call_function: str
     func_site: str
@@ -185,7 +186,9 @@ class RegionSpec:
         s += " mesh=" + "x".join(f"{n}:{k}" for n, k in zip(dims, self.mesh_shape))
         if self.redistribute_inputs:
             s += " redistribute_inputs"
-        if self.spmd_types:
+        if self.spmd_types == "global":
+            s += " spmd_types=global"
+        elif self.spmd_types:
             s += " spmd_types"
         return s
 

@@ -49,8 +49,16 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.lowering.plan",
         "localmap_fx.spmd.check",
     ),
+    ("localmap_fx.spmd.global_check",),
     ("localmap_fx.spmd.types", "localmap_fx.capture.plan"),
-    ("localmap_fx.validate", "localmap_fx.region", "localmap_fx.spmd.rules", "localmap_fx.capture.reuse"),
+    (
+        "localmap_fx.validate",
+        "localmap_fx.region",
+        "localmap_fx.spmd.rules",
+        "localmap_fx.capture.reuse",
+        "localmap_fx.spmd.global_oracle",
+        "localmap_fx.spmd.global_rules",
+    ),
     ("localmap_fx.analysis",),
     (
         "localmap_fx.argtree",
@@ -69,6 +77,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.capture",
         "localmap_fx.spmd",
         "localmap_fx.passes",
+        "localmap_fx.spmd.global_state",
     ),
 ]
 RANK = {m: len(LAYERS) - i for i, layer in enumerate(LAYERS) for m in layer}

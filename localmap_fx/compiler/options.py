@@ -26,8 +26,12 @@ class BackendOptions:
             adjacent regions whose placements and grad placements already
             match (default True).
         typecheck: ``"regions"`` checks regions with ``spmd_types=True`` at
-            compile time, ``"off"`` skips it (the derived grad placements
-            then fall back to DTensor defaults, as for spmd_types=False).
+            compile time (``spmd_types="global"`` ones also globally),
+            ``"all"`` checks every region's types, ``"global"`` checks every
+            ``spmd_types`` region as ``spmd_types="global"`` does (at compile
+            time, on fake tensors: the compiled program carries no checking),
+            ``"off"`` skips it (the derived grad placements then fall back to
+            DTensor defaults, as for spmd_types=False).
         on_stage: called as ``on_stage(stage_name, gm)`` after capture and
             after every pass.
         on_aot_graph: called as ``on_aot_graph("forward"|"backward", gm)``
@@ -61,10 +65,10 @@ class BackendOptions:
                 f"backend(share_layers={self.share_layers!r}) is not supported: use "
                 "True, False or 'auto'."
             )
-        if self.typecheck not in ("regions", "all", "off"):
+        if self.typecheck not in ("regions", "all", "global", "off"):
             raise ValueError(
                 f"backend(typecheck={self.typecheck!r}) is not supported: use "
-                "'regions', 'all' or 'off'."
+                "'regions', 'all', 'global' or 'off'."
             )
         if self.inner == "inductor" and self.outline and self.share_layers is False:
             import warnings

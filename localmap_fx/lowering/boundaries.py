@@ -90,7 +90,9 @@ def _exit_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundar
     spec = region.spec
     derived = None
     if spec.spmd_types and typecheck != "off":
-        derived = out_grad_placements_for(region)
+        # the global check: every spmd_types region with typecheck="global",
+        # regions that asked for it (spmd_types="global") always
+        derived = out_grad_placements_for(region, typecheck == "global" or spec.spmd_types == "global")
     elif typecheck == "all":
         out_grad_placements_for(region)
     out: list[Boundary] = []
@@ -147,7 +149,8 @@ def lower_boundaries(gm: fx.GraphModule, typecheck: str = "regions") -> PassResu
     """The pass: make every region boundary of ``gm`` explicit (see module docstring).
 
     ``typecheck``: "regions" type-checks regions that asked for it
-    (spmd_types=True), "all" checks every region, "off" none.
+    (spmd_types=True or "global"), "all" checks every region, "global" is
+    "regions" plus the global check of every spmd_types region, "off" none.
     """
     regions = find_regions(gm)
     boundaries = find_boundaries(gm, regions, typecheck=typecheck)

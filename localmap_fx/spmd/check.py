@@ -14,6 +14,7 @@ decide as eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -90,7 +91,7 @@ def _fresh_fake(mode: FakeTensorMode, val):
     return t
 
 
-def _run_checked(region: Region) -> tuple:
+def _run_checked(region: Region, global_check: bool = False) -> tuple:
     spec = region.spec
     mesh = spec.mesh
     if mesh is None:
@@ -116,8 +117,17 @@ def _run_checked(region: Region) -> tuple:
         mesh,
     )
     interp = _CheckInterpreter(region.subgraph, functions.body_of(spec.body_key))
+    gcheck = None
+    tracking: Any = contextlib.nullcontext()
+    if global_check:
+        from .global_check import GlobalCheck, node_site
+
+        gcheck = GlobalCheck(mesh, f"`{spec.func}`")
+        gcheck.annotate_inputs(flat_args, tuple(in_specs) if spec.in_placements is not None else None)
+        # body lines from the node being run: the lines eager finds on its stack
+        tracking = gcheck.mode(lambda: node_site(interp.node))
     try:
-        with mode, spmd.checking(mesh):
+        with mode, spmd.checking(mesh), tracking:
             outs = interp.run(*fakes)
     except Exception as e:
         e.__dict__["_localmap_fx_node"] = interp.node
@@ -131,7 +141,10 @@ def _run_checked(region: Region) -> tuple:
             flat_out.append(_NON_TENSOR)
         else:
             flat_out.append(by_node[x.args[0]])
-    return spmd.out_grad_placements(flat_out, spec.out_placements, mesh)
+    grads = spmd.out_grad_placements(flat_out, spec.out_placements, mesh)
+    if gcheck is not None:
+        gcheck.check_outputs(flat_out, spec.out_placements)
+    return grads
 
 
 class _NonTensor:
@@ -142,10 +155,14 @@ class _NonTensor:
 _NON_TENSOR = _NonTensor()
 
 
-def out_grad_placements_for(region: Region) -> tuple:
-    """Type-check the body; return one grad placement spec per output."""
+def out_grad_placements_for(region: Region, global_check: bool = False) -> tuple:
+    """Type-check the body; return one grad placement spec per output.
+
+    ``global_check``: also run the global check (:mod:`.global_check`), as
+    eager ``spmd_types="global"`` does.
+    """
     try:
-        return _run_checked(region)
+        return _run_checked(region, global_check)
     except Exception as e:
         where = (
             f"local_map region {region.spec.func} called at "
@@ -153,7 +170,7 @@ def out_grad_placements_for(region: Region) -> tuple:
         )
         node = e.__dict__.pop("_localmap_fx_node", None)
         _as_eager_text(e)
-        if isinstance(e, (ValueError, spmd.spmd.SpmdTypeError)):
+        if isinstance(e, (ValueError, spmd.spmd.SpmdTypeError)) and not getattr(e, "_localmap_fx_global", False):
             spmd.explain(e, region.spec.mesh)
         line = _body_line(node)
         if line:

@@ -165,7 +165,7 @@ class LlamaRegions:
     loss_parts: Callable
 
 
-def build_regions(lay: MeshLayout, local_map: Callable) -> LlamaRegions:
+def build_regions(lay: MeshLayout, local_map: Callable, typed_tables: bool = False) -> LlamaRegions:
     R, P = Replicate(), Partial()
     seq = lay.pl(Shard(1), Shard(0))  # activations between blocks
     full_seq = lay.pl(R, Shard(0))  # gathered on tp for attention / MLP
@@ -177,6 +177,10 @@ def build_regions(lay: MeshLayout, local_map: Callable) -> LlamaRegions:
     rep_w, rep_g = lay.weight_in(R), lay.weight_grad(P)  # norm weights: tp ranks see other positions
     vocab_ids = lay.pl(Shard(0), R)
 
+    # rotary tables: plain tensors (None), or replicated DTensors typed R, as
+    # spmd_types' strict checking needs every tensor a region gets to be typed
+    rope, rope_g = (lay.replicate_all(), lay.pl(P, P)) if typed_tables else (None, None)
+
     def lm(fn, out, ins, grads):
         return local_map(fn, out, ins, grads, lay.mesh, redistribute_inputs=True)
 
@@ -186,8 +190,8 @@ def build_regions(lay: MeshLayout, local_map: Callable) -> LlamaRegions:
         attn=lm(
             _attention,
             list(heads),
-            (full_seq, col_w, col_w, col_w, None, None, None),
-            (full_seq_grad, col_g, col_g, col_g, None, None, None),
+            (full_seq, col_w, col_w, col_w, rope, rope, None),
+            (full_seq_grad, col_g, col_g, col_g, rope_g, rope_g, None),
         ),
         swiglu=lm(_swiglu, list(heads), (full_seq, col_w, col_w), (full_seq_grad, col_g, col_g)),
         row=lm(_linear, list(partial), (heads, row_w), (heads, row_g)),
@@ -259,6 +263,10 @@ class Llama(nn.Module):
         dtype: parameter dtype (``torch.bfloat16`` for bf16 parameters).
         seed: initialisation seed (weights are drawn full-size on CPU, then
             distributed, so every mesh gets the same model).
+        typed_tables: pass the rotary tables to the attention region as
+            replicated DTensors instead of plain tensors, so that the region
+            passes spmd_types' strict checking (``local_map`` built with
+            ``spmd_types=True`` or ``"global"``), which refuses untyped tensors.
     """
 
     def __init__(
@@ -269,6 +277,7 @@ class Llama(nn.Module):
         checkpoint: str | None = None,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        typed_tables: bool = False,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
@@ -277,7 +286,7 @@ class Llama(nn.Module):
         self.layout = lay = MeshLayout(mesh, "tp")
         cfg.check(lay.model_size)
         self.checkpoint = checkpoint
-        self.regions = build_regions(lay, local_map_impl(local_map))
+        self.regions = build_regions(lay, local_map_impl(local_map), typed_tables)
         self.seq_placements = lay.pl(Shard(1), Shard(0))
         device = mesh.device_type
         full = init_weights(cfg, seed, dtype)
@@ -310,6 +319,9 @@ class Llama(nn.Module):
         self.norm = param("norm", R, 0)
         self.output = param("output", Shard(1), 0)
         cos, sin = rope_tables(cfg, device)
+        if typed_tables:
+            cos = distribute_tensor(cos, mesh, list(lay.replicate_all()))
+            sin = distribute_tensor(sin, mesh, list(lay.replicate_all()))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         ids = torch.arange(cfg.vocab, device=device)
