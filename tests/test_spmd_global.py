@@ -35,6 +35,8 @@ from localmap_fx.spmd import global_check
 from localmap_fx.spmd.global_check import SpmdGlobalError
 from localmap_fx.testing.dist import run_ranks
 
+from helpers import ensure_fake_pg
+
 NAMES = sorted(BODIES)
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -177,7 +179,8 @@ def _dtensors(b: Body, mesh):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_compiled_verdict_matches_eager(gloo_report, fake_pg, name):
+def test_compiled_verdict_matches_eager(gloo_report, name):
+    ensure_fake_pg()
     b = BODIES[name]
     mesh = _fake_mesh(b)
     f = _compiled(b, mesh, typecheck="global")
@@ -190,7 +193,8 @@ def test_compiled_verdict_matches_eager(gloo_report, fake_pg, name):
     assert eager in str(info.value)
 
 
-def test_region_asking_for_global_is_checked_without_the_option(fake_pg):
+def test_region_asking_for_global_is_checked_without_the_option():
+    ensure_fake_pg()
     b = BODIES["row_parallel_relu_before_reduce"]
     mesh = _fake_mesh(b)
     with pytest.raises(SpmdGlobalError, match="all-reduce before `relu`"):
@@ -200,7 +204,8 @@ def test_region_asking_for_global_is_checked_without_the_option(fake_pg):
     _compiled(b, mesh)(*_dtensors(b, mesh))
 
 
-def test_compiled_program_carries_no_check(fake_pg):
+def test_compiled_program_carries_no_check():
+    ensure_fake_pg()
     b = BODIES["megatron_mlp"]
     mesh = _fake_mesh(b)
     f = _compiled(b, mesh, typecheck="global")
@@ -210,7 +215,8 @@ def test_compiled_program_carries_no_check(fake_pg):
         f(*args)
 
 
-def test_spmd_types_own_collectives_are_tracked_in_eager(fake_pg):
+def test_spmd_types_own_collectives_are_tracked_in_eager():
+    ensure_fake_pg()
     import spmd_types as spmd
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -255,9 +261,11 @@ def _mean_loss(x):
     return x.mean()
 
 
-@pytest.mark.usefixtures("fake_pg")
 class ErrorTexts(TestCase):
     """Pinned messages (line numbers shown as ``:N``, the file's name kept)."""
+
+    def setUp(self) -> None:
+        ensure_fake_pg()
 
     def _message(self, fn, out, ins, shapes) -> str:
         from torch.distributed.device_mesh import init_device_mesh

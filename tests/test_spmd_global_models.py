@@ -20,6 +20,8 @@ import torch
 import localmap_fx
 from localmap_fx.spmd.global_check import SpmdGlobalError
 
+from helpers import ensure_fake_pg
+
 CASES = [("llama", 1), ("llama", 2), ("moe", 1), ("moe", 2)]
 
 
@@ -61,7 +63,8 @@ class _Recording:
 
 
 @pytest.mark.parametrize("which,ndim", CASES)
-def test_eager_every_region_global(fake_pg, which, ndim):
+def test_eager_every_region_global(which, ndim):
+    ensure_fake_pg()
     factory = _Recording("global")
     model = _model(which, _mesh(which, ndim), factory)
     assert factory.built >= 4
@@ -69,7 +72,8 @@ def test_eager_every_region_global(fake_pg, which, ndim):
 
 
 @pytest.mark.parametrize("which,ndim", CASES)
-def test_compiled_typecheck_global(fake_pg, which, ndim):
+def test_compiled_typecheck_global(which, ndim):
+    ensure_fake_pg()
     model = _model(which, _mesh(which, ndim), _Recording(True))
     compiled = torch.compile(model, backend=localmap_fx.backend(inner="eager", typecheck="global"), fullgraph=True)
     _step(model, compiled)
@@ -85,13 +89,15 @@ def _bugged_llama_factory():
     return functools.partial(_Recording, swap={llama._linear: _relu_row})
 
 
-def test_negative_control_eager(fake_pg):
+def test_negative_control_eager():
+    ensure_fake_pg()
     model = _model("llama", _mesh("llama", 1), _bugged_llama_factory()("global"))
     with pytest.raises(SpmdGlobalError, match="all-reduce before `relu`"):
         _step(model)
 
 
-def test_negative_control_compiled(fake_pg):
+def test_negative_control_compiled():
+    ensure_fake_pg()
     model = _model("llama", _mesh("llama", 1), _bugged_llama_factory()(True))
     compiled = torch.compile(model, backend=localmap_fx.backend(inner="eager", typecheck="global"), fullgraph=True)
     with pytest.raises(SpmdGlobalError, match="all-reduce before `relu`"):
