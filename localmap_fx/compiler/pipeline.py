@@ -110,7 +110,13 @@ def layer_sharing_decision(plan, share_layers: bool | str) -> str | None:
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
     """Run :data:`STAGES` on a Dynamo graph; returns the compiled callable."""
     from ..debug.dump import inspector_for
-    from ..passes.share_layers import LayerPlan, find_layer_spans, split_layers
+    from ..passes.share_layers import (
+        LayerPlan,
+        apply_plain_borders,
+        find_layer_spans,
+        find_plain_borders,
+        split_layers,
+    )
     from .pieces import compile_pieces
 
     # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions: observe every stage
@@ -132,6 +138,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
         # A safety net, no known case: the graph is valid, so compile it whole and say why.
         plan = LayerPlan(0, 0, (), f"regions not recoverable ({e!r})")
     why_whole = layer_sharing_decision(plan, opts.share_layers)
+    if why_whole is None:
+        # Note: [A DTensor at a layer border costs a collective]
+        borders = find_plain_borders(gm, plan)
+        if borders.steps:
+            gm = apply_plain_borders(gm, borders)
+            plan = find_layer_spans(gm)
+            why_whole = layer_sharing_decision(plan, opts.share_layers)
     if why_whole is not None:
         if inspector is not None:
             inspector.pieces(plan, None, why_whole)
