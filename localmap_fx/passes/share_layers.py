@@ -580,3 +580,28 @@ def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> fx.
     gm.recompile()
     return gm
 
+
+# --- what one layer computes -------------------------------------------------
+
+_MATMUL_OPS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "__matmul__"})
+
+
+def span_flops(nodes: Sequence[fx.Node]) -> int:
+    """Forward FLOPs of the matrix products in ``nodes`` (2 * output elements *
+    contraction length, from the fake values; other ops count as 0, so the
+    estimate errs low)."""
+    total = 0
+    for n in nodes:
+        if n.op not in ("call_function", "call_method") or _op_name(n) not in _MATMUL_OPS:
+            continue
+        out, a = node_value(n), node_value(n.args[1] if _op_name(n) in ("addmm", "baddbmm") else n.args[0])
+        if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
+            continue
+        if any(isinstance(d, torch.SymInt) for d in (*out.shape, a.shape[-1])):
+            continue
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(out, DTensor):
+            out, a = out._local_tensor, a._local_tensor if isinstance(a, DTensor) else a
+        total += 2 * out.numel() * int(a.shape[-1])
+    return total
