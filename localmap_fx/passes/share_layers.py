@@ -541,7 +541,10 @@ def find_plain_borders(gm: fx.GraphModule, plan: LayerPlan) -> PlainBorderPlan:
             others = [u for u in v.users if u not in tls]
             if len(tls) != 1 or not others or tls[0] not in inside:
                 continue
-            grad = tuple(tls[0].kwargs["grad_placements"])
+            g = tls[0].kwargs["grad_placements"]
+            if not isinstance(g, (tuple, list)):
+                continue
+            grad = tuple(g)
             if len(grad) != len(val.placements) or not all(isinstance(p, (Replicate, Partial)) for p in grad):
                 continue
             mesh = _mesh_placeholder(gm, val.device_mesh)

@@ -306,7 +306,7 @@ def tp_block_regions(mesh, impl: str = "ours"):
     if impl == "ours":
         lm = local_map
     elif impl == "torch":
-        from torch.distributed.tensor.experimental import local_map as lm  # type: ignore[no-redef]
+        from torch.distributed.tensor.experimental import local_map as lm
     else:
         raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
     col = lm(
@@ -354,7 +354,8 @@ class TPStack(torch.nn.Module):
     def forward(self, x: DTensor) -> DTensor:
         for block in self.blocks:
             x = block(x)
-        return (x * x).sum()
+        loss: DTensor = (x * x).sum()  # type: ignore[assignment]  # DTensor ops return DTensors
+        return loss
 
 
 def tp_stack_input(mesh, batch: int = 32, d: int = 128, seed: int = 0) -> DTensor:
