@@ -185,3 +185,34 @@ def test_regional_compiles_as_many_graphs_as_upstream_regional(inner):
     ours = _graphs_of_regional("ours", localmap_fx.backend(inner))
     upstream = _graphs_of_regional("torch", inner)
     assert ours == upstream == 1
+
+
+def test_depth_report_reads_a_result_and_draws_it():
+    """benchmarks.depth_report on a synthetic result: every figure present,
+    met/missed from the numbers given, a PNG drawn (no timing here)."""
+    from benchmarks.depth_report import figures, markdown, plot_png
+
+    sides = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional", "ours_shared")
+    phase = {"dynamo_s": 1.0, "aot_s": 1.0, "inductor_s": 1.0, "cpp_compile_s": 1.0, "cpp_files": 2,
+             "kernels": 3, "graphs": 1}
+    cold = {f"module/{s}/{n}": {"total_s": float(n + i), **phase} for i, s in enumerate(sides) for n in (8, 64)}
+    pairs = ("ours_whole/upstream_whole", "ours_whole/upstream_regional", "ours_regional/upstream_regional",
+             "ours_shared/upstream_whole", "upstream_regional/upstream_whole")
+    steady = {"module/16": {
+        "numerics_match": {s: True for s in sides},
+        "step_us": {c: {s: {"median": 1000.0, "min": 900.0, "max": 1100.0, "n": 2} for s in sides}
+                    for c in ("wall", "cpu")},
+        "ratios": {c: {p: [0.95, 1.05] for p in pairs} for c in ("wall", "cpu")},
+        "price_per_layer_us": {c: [10.0, 20.0] for c in ("wall", "cpu")},
+    }}
+    res = {"config": {"rounds": 8}, "cold": cold, "steady": steady, "load_start": [1.0], "load_end": [2.0],
+           "run_s": 1.0}
+    rows = {r["id"]: r for r in figures(res)}
+    # ours whole 64+2, upstream regional 64+1
+    assert rows["P8[module]"]["median"] == pytest.approx(66 / 65) and rows["P8[module]"]["met"] is False
+    assert rows["P8_growth[module,ours_whole]"]["median"] == pytest.approx(66 / 10)
+    assert rows["P9_whole[module,16]"]["median"] == pytest.approx(1.0) and rows["P9_whole[module,16]"]["met"]
+    assert rows["P9_regional[module,16]"]["met"] is False
+    assert rows["price[module,16]"]["median"] == pytest.approx(15.0)
+    assert "| module | ours_whole | 64 |" in markdown(res)
+    assert plot_png(res)[:8] == b"\x89PNG\r\n\x1a\n"
