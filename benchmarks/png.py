@@ -171,7 +171,7 @@ def line_chart_png(
 ) -> bytes:
     """Line charts side by side, one per ``(title, y unit, {series: [(x, y)]})``;
     x on a log2 axis (depths), y from 0 to the panel's maximum; a legend under them."""
-    pw, ph, left, top, gap = 420, 300, 60, 40, 40
+    pw, ph, left, top, gap = 420, 300, 64, 40, 80
     legend_h = 24 * ((len(colors) + 1) // 2) + 40
     w = left + len(panels) * (pw + gap)
     h = top + ph + 40 + legend_h
