@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis import Effects, copy_nodes, find_effects, span_io, structural_key
+from ..analysis import Effects, copy_nodes, find_effects, mesh_key, span_io, structural_key
 from ..graph_utils import fetch_attr, is_symbolic, is_to_local, node_value
 from ..region import find_regions
 
@@ -587,6 +587,10 @@ def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> fx.
 # --- what one layer computes -------------------------------------------------
 
 _MATMUL_OPS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "__matmul__"})
+
+
+def _op_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
 
 
 def span_flops(nodes: Sequence[fx.Node]) -> int:

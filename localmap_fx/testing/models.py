@@ -300,38 +300,20 @@ def grad_tensors(state: dict) -> dict[str, DTensor]:
 
 # --- nn.Module tensor-parallel stack (issue 21) --------------------------------
 
-def tp_block_regions(mesh, impl: str = "ours"):
-    """The column and row regions of one TP block, with ``impl``'s local_map
-    ("ours" = localmap_fx, "torch" = torch 2.14.1's)."""
-    if impl == "ours":
-        lm = local_map
-    elif impl == "torch":
-        from torch.distributed.tensor.experimental import local_map as lm
-    else:
-        raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
-    col = lm(
-        _col,
-        out_placements=[Shard(1)],
-        in_placements=([Replicate()], [Shard(1)]),
-        in_grad_placements=([Partial()], [Shard(1)]),
-        device_mesh=mesh,
-    )
-    row = lm(
-        _row,
-        out_placements=[Partial()],
-        in_placements=([Shard(1)], [Shard(0)]),
-        device_mesh=mesh,
-    )
-    return col, row
-
-
 class TPBlock(torch.nn.Module):
     """``row(col(x, w1), w2).redistribute(mesh, [R]) + x`` with DTensor parameters."""
 
     def __init__(self, mesh, w1: torch.Tensor, w2: torch.Tensor, impl: str = "ours") -> None:
         super().__init__()
+        if impl == "torch":
+            from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+            self.col, self.row = tp_block(mesh, local_map_fn=torch_local_map)
+        elif impl == "ours":
+            self.col, self.row = tp_block(mesh)
+        else:
+            raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
         self.mesh = mesh
-        self.col, self.row = tp_block_regions(mesh, impl)
         self.w1 = torch.nn.Parameter(distribute_tensor(w1, mesh, [Shard(1)]))
         self.w2 = torch.nn.Parameter(distribute_tensor(w2, mesh, [Shard(0)]))
 
