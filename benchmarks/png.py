@@ -10,7 +10,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 
-__all__ = ["Bar", "bar_chart_png"]
+__all__ = ["Bar", "bar_chart_png", "line_chart_png"]
 
 # 5x7 glyphs, one string of 7 rows of 5 pixels per character.
 _FONT = {
@@ -161,4 +161,66 @@ def bar_chart_png(bars: Sequence[Bar], title: str, x_max: float = 2.0, footer: s
             xt = xpos(b.target)
             c.rect(xt - 1, y + 3, xt + 2, y + row_h - 3, (240, 160, 0))
         c.text(label_w + plot_w + 10, y + 10, b.text[:26])
+    return c.png()
+
+
+def line_chart_png(
+    panels: Sequence[tuple[str, str, dict[str, list[tuple[float, float]]]]],
+    colors: dict[str, tuple[int, int, int]],
+    footer: str = "",
+) -> bytes:
+    """Line charts side by side, one per ``(title, y unit, {series: [(x, y)]})``;
+    x on a log2 axis (depths), y from 0 to the panel's maximum; a legend under them."""
+    pw, ph, left, top, gap = 420, 300, 64, 40, 80
+    legend_h = 24 * ((len(colors) + 1) // 2) + 40
+    w = left + len(panels) * (pw + gap)
+    h = top + ph + 40 + legend_h
+    c = _Canvas(w, h)
+    for k, (title, unit, series) in enumerate(panels):
+        x0 = left + k * (pw + gap)
+        pts = [p for s in series.values() for p in s]
+        if not pts:
+            continue
+        xs = sorted({p[0] for p in pts})
+        y_max = max(p[1] for p in pts) * 1.1 or 1.0
+        c.text(x0, 10, f"{title} ({unit})")
+        c.rect(x0, top, x0 + 1, top + ph, _BLACK)
+        c.rect(x0, top + ph, x0 + pw, top + ph + 1, _BLACK)
+        for i in range(5):
+            v = y_max * i / 4
+            y = top + ph - int(ph * i / 4)
+            c.rect(x0, y, x0 + pw, y + 1, _GREY)
+            c.text(x0 - 56, y - 4, f"{v:.3g}"[:5], scale=1)
+
+        def xpos(x: float, x0: int = x0, xs: list = xs) -> int:
+            import math
+
+            if len(xs) == 1:
+                return x0 + pw // 2
+            lo, hi = math.log2(xs[0]), math.log2(xs[-1])
+            return x0 + 20 + int((pw - 40) * (math.log2(x) - lo) / (hi - lo))
+
+        def ypos(y: float, y_max: float = y_max) -> int:
+            return top + ph - int(ph * y / y_max)
+
+        for x in xs:
+            c.text(xpos(x) - 6, top + ph + 8, str(int(x)))
+        for name, s in series.items():
+            col = colors.get(name, _BLACK)
+            s = sorted(s)
+            for (xa, ya), (xb, yb) in zip(s, s[1:]):
+                steps = max(abs(xpos(xb) - xpos(xa)), abs(ypos(yb) - ypos(ya)), 1)
+                for t in range(steps + 1):
+                    px = xpos(xa) + (xpos(xb) - xpos(xa)) * t // steps
+                    py = ypos(ya) + (ypos(yb) - ypos(ya)) * t // steps
+                    c.rect(px - 1, py - 1, px + 2, py + 2, col)
+            for x, y in s:
+                c.rect(xpos(x) - 4, ypos(y) - 4, xpos(x) + 5, ypos(y) + 5, col)
+    for i, (name, col) in enumerate(colors.items()):
+        x = left + (i % 2) * 420
+        y = top + ph + 40 + 24 * (i // 2)
+        c.rect(x, y, x + 20, y + 12, col)
+        c.text(x + 28, y, name)
+    if footer:
+        c.text(10, h - 20, footer)
     return c.png()

@@ -14,11 +14,13 @@ from typing import Any
 import torch.fx as fx
 
 from .options import INNER_COMPILERS, BackendOptions
-from .pipeline import AUTO_MIN_LAYERS, STAGES, compile_graph, layer_sharing_decision
+from .pipeline import AUTO_MAX_OVERHEAD, AUTO_MIN_LAYERS, STAGES, LayerCost, compile_graph, layer_sharing_decision
 
 __all__ = [
+    "AUTO_MAX_OVERHEAD",
     "AUTO_MIN_LAYERS",
     "BackendOptions",
+    "LayerCost",
     "INNER_COMPILERS",
     "STAGES",
     "backend",

@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from ..lowering import lower_boundaries as _lower_boundaries
@@ -41,7 +42,17 @@ from ..passes.outline_regions import outline_regions
 from .inner import inner_compiler
 from .options import BackendOptions
 
-__all__ = ["STAGES", "Stage", "graph_passes", "compile_graph", "layer_sharing_decision", "AUTO_MIN_LAYERS"]
+__all__ = [
+    "STAGES",
+    "Stage",
+    "graph_passes",
+    "compile_graph",
+    "layer_sharing_decision",
+    "layer_cost",
+    "LayerCost",
+    "AUTO_MIN_LAYERS",
+    "AUTO_MAX_OVERHEAD",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +94,80 @@ def graph_passes(opts: BackendOptions) -> list[Pass]:
 
 
 # Note: [When "auto" shares layers]
-#     Every shared piece costs a call through AOTAutograd's runtime wrappers
-#     and a DTensor unwrap/wrap of its inputs and outputs, and kernels no
-#     longer fuse across a layer border; it saves the AOT trace and the
-#     kernel compilation of every repeat.  "auto" shares when the graph has
-#     at least AUTO_MIN_LAYERS layers with one key (numbers:
-#     docs/benchmarks.md, "Layer sharing").
+#     A shared piece saves the AOT trace and the kernel compilation of every
+#     repeat, but every piece call goes through AOTAutograd's runtime
+#     wrappers (an autograd.Function, tangent checks, output bookkeeping)
+#     in forward and backward, and kernels no longer fuse across a layer
+#     border.  The whole graph never pays that, so the pieces run slower by
+#     a fixed price per layer (measured: docs/benchmarks.md, "Deep models").
+#     A default may never make the compiled step slower than upstream
+#     torch.compile, so under inductor "auto" shares only when that price is
+#     lost in the layer's own compute: at least AUTO_MIN_LAYERS layers *and*
+#     PIECE_OVERHEAD_S[device] at most AUTO_MAX_OVERHEAD of the layer's
+#     estimated forward + backward time (3x the forward FLOPs of its matrix
+#     products at ASSUMED_FLOPS[device]).  The estimate errs towards one
+#     graph: only matrix products count and the assumed throughput is high.
+#     Under aot_eager / eager (not run-time modes) the count alone decides.
 AUTO_MIN_LAYERS = 8
+AUTO_MAX_OVERHEAD = 0.01
+# seconds per piece call, forward + backward (CPU: benchmarks/depth_bench.py,
+# 16-layer nn.Module TP stack, fake process group; other devices: the same
+# Python work, kernel launches are asynchronous)
+PIECE_OVERHEAD_S = {"cpu": 2e-4, "cuda": 2e-4}
+# FLOP/s assumed for the layer's matrix products (high on purpose)
+ASSUMED_FLOPS = {"cpu": 1e11, "cuda": 1e14}
 
 
-def layer_sharing_decision(plan, share_layers: bool | str) -> str | None:
-    """None to split ``plan`` into shared pieces, else why the graph stays whole."""
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """What one shared layer would compute next to what its piece call costs."""
+
+    flops: int  # forward FLOPs of the layer's matrix products
+    device: str
+
+    @property
+    def layer_s(self) -> float:
+        return 3 * self.flops / ASSUMED_FLOPS.get(self.device, ASSUMED_FLOPS["cuda"])
+
+    @property
+    def overhead_s(self) -> float:
+        return PIECE_OVERHEAD_S.get(self.device, PIECE_OVERHEAD_S["cuda"])
+
+    @property
+    def worth_sharing(self) -> bool:
+        return self.overhead_s <= AUTO_MAX_OVERHEAD * self.layer_s
+
+    def text(self) -> str:
+        return (f"a layer computes ~{self.flops / 1e6:.3g} MFLOP forward (~{self.layer_s * 1e3:.3g} ms fwd+bwd "
+                f"at {ASSUMED_FLOPS.get(self.device, ASSUMED_FLOPS['cuda']):.0e} FLOP/s on {self.device}), "
+                f"a piece call costs ~{self.overhead_s * 1e3:.2g} ms "
+                f"({self.overhead_s / max(self.layer_s, 1e-12):.0%} of it, limit {AUTO_MAX_OVERHEAD:.0%})")
+
+
+def layer_cost(gm: fx.GraphModule, plan) -> LayerCost | None:
+    """The :class:`LayerCost` of ``plan``'s first shared layer, None if none."""
+    from ..graph_utils import node_value
+    from ..passes.share_layers import compute_nodes, span_flops
+
+    if not plan.shared:
+        return None
+    span = plan.shared[0]
+    nodes = compute_nodes(gm, plan.hoisted)[span.start:span.stop]
+    device = "cpu"
+    for n in nodes:
+        v = node_value(n)
+        if isinstance(v, torch.Tensor):
+            device = v.device.type
+            break
+    return LayerCost(span_flops(nodes), device)
+
+
+def layer_sharing_decision(plan, share_layers: bool | str, cost: LayerCost | None = None) -> str | None:
+    """None to split ``plan`` into shared pieces, else why the graph stays whole.
+
+    ``cost`` (given under inductor) makes "auto" weigh run time too (Note:
+    [When "auto" shares layers]).
+    """
     if share_layers is False:
         return "share_layers=False"
     if not plan.shared:
@@ -104,13 +178,22 @@ def layer_sharing_decision(plan, share_layers: bool | str) -> str | None:
         if most < AUTO_MIN_LAYERS:
             return (f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "
                     "one graph fuses across layer borders")
+        if cost is not None and not cost.worth_sharing:
+            return (f"share_layers='auto': {most} layers, but pieces would run slower than one graph: "
+                    f"{cost.text()}")
     return None
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
     """Run :data:`STAGES` on a Dynamo graph; returns the compiled callable."""
     from ..debug.dump import inspector_for
-    from ..passes.share_layers import LayerPlan, find_layer_spans, split_layers
+    from ..passes.share_layers import (
+        LayerPlan,
+        apply_plain_borders,
+        find_layer_spans,
+        find_plain_borders,
+        split_layers,
+    )
     from .pieces import compile_pieces
 
     # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions: observe every stage
@@ -131,7 +214,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     except KeyError as e:
         # A safety net, no known case: the graph is valid, so compile it whole and say why.
         plan = LayerPlan(0, 0, (), f"regions not recoverable ({e!r})")
-    why_whole = layer_sharing_decision(plan, opts.share_layers)
+    # Note: [When "auto" shares layers]
+    cost = layer_cost(gm, plan) if opts.inner == "inductor" and opts.share_layers == "auto" else None
+    why_whole = layer_sharing_decision(plan, opts.share_layers, cost)
+    if why_whole is None:
+        # Note: [A DTensor at a layer border costs a collective]
+        borders = find_plain_borders(gm, plan)
+        if borders.steps:
+            gm = apply_plain_borders(gm, borders)
+            plan = find_layer_spans(gm)
+            why_whole = layer_sharing_decision(plan, opts.share_layers, cost)
     if why_whole is not None:
         if inspector is not None:
             inspector.pieces(plan, None, why_whole)

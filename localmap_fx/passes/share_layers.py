@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis import Effects, copy_nodes, find_effects, span_io, structural_key
+from ..analysis import Effects, copy_nodes, find_effects, mesh_key, span_io, structural_key
 from ..graph_utils import fetch_attr, is_symbolic, is_to_local, node_value
 from ..region import find_regions
 
@@ -463,3 +463,152 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> fx.GraphModule:
 
 def pieces_of(outer: fx.GraphModule) -> list[fx.Node]:
     return [n for n in outer.graph.nodes if META_PIECE in n.meta]
+
+
+# --- plain tensors at layer borders ------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlainBorderStep:
+    """Pass ``value`` (a Replicate DTensor that enters a layer) to it as the
+    local tensor of its ``to_local`` user (``grad_placements``), and rebuild
+    the DTensor its other users read with ``from_local(..., grad_placements)``."""
+
+    value: str
+    to_local: str
+    grad_placements: tuple
+    mesh: str
+
+    def text(self) -> str:
+        return f"{self.value}: to_local {self.to_local} at the border, from_local(grad={self.grad_placements!r}) after it"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainBorderPlan:
+    steps: tuple[PlainBorderStep, ...]
+
+    def text(self) -> str:
+        return "\n".join(s.text() for s in self.steps) or "no DTensor to pass as a local tensor"
+
+
+def _mesh_placeholder(gm: fx.GraphModule, mesh: Any) -> fx.Node | None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    want = mesh_key(mesh)
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = node_value(n)
+        if isinstance(v, DeviceMesh) and mesh_key(v) == want:
+            return n
+    return None
+
+
+def find_plain_borders(gm: fx.GraphModule, plan: LayerPlan) -> PlainBorderPlan:
+    """Which DTensors entering a shared layer can cross its border as plain tensors.
+
+    Note: [A DTensor at a layer border costs a collective]
+        A residual stream (``block(x) + x``) enters every layer as a
+        Replicate DTensor and also feeds the layer's first region
+        (``to_local(grad_placements=[Partial()])``).  Crossing a piece border
+        as a DTensor, AOTAutograd traces its tangent as Replicate
+        (``__coerce_tangent_metadata__``) while the layer's backward produces
+        a Partial gradient, so every step redistributes it (an all_reduce per
+        layer, measured 1 ms per layer on gloo, where the whole graph needs
+        none) and unwraps/wraps it.  Passing the region's local tensor instead
+        and rebuilding the DTensor after the border with
+        ``from_local(grad_placements=<the region's>)`` keeps the gradient
+        Partial across the border, as the whole graph does.  Both ops are the
+        identity in forward; in backward ``from_local`` turns the residual's
+        gradient into the region's placements (Replicate -> Partial is a local
+        division) before the two are summed, where the whole graph lets DTensor
+        do the same conversion in the sum.  Only Replicate DTensors whose
+        to_local asks for Replicate or Partial gradients are rewritten: those
+        conversions never need a collective.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    nodes = compute_nodes(gm, plan.hoisted)
+    steps: list[PlainBorderStep] = []
+    seen: set[fx.Node] = set()
+    for span in plan.shared:
+        inputs, _ = span_io(nodes[span.start:span.stop])
+        inside = set(nodes[span.start:span.stop])
+        for v in inputs:
+            val = node_value(v)
+            if v in seen or not isinstance(val, DTensor):
+                continue
+            if not all(isinstance(p, Replicate) for p in val.placements):
+                continue
+            tls = [u for u in v.users if is_to_local(u) and u.kwargs.get("grad_placements") is not None]
+            others = [u for u in v.users if u not in tls]
+            if len(tls) != 1 or not others or tls[0] not in inside:
+                continue
+            g = tls[0].kwargs["grad_placements"]
+            if not isinstance(g, (tuple, list)):
+                continue
+            grad = tuple(g)
+            if len(grad) != len(val.placements) or not all(isinstance(p, (Replicate, Partial)) for p in grad):
+                continue
+            mesh = _mesh_placeholder(gm, val.device_mesh)
+            if mesh is None:
+                continue
+            seen.add(v)
+            steps.append(PlainBorderStep(v.name, tls[0].name, grad, mesh.name))
+    return PlainBorderPlan(tuple(steps))
+
+
+def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> fx.GraphModule:
+    """Rewrite ``gm`` in place along ``border_plan`` (Note: [A DTensor at a layer
+    border costs a collective]); find_layer_spans must run again afterwards."""
+    from torch.distributed.tensor._api import from_local
+
+    if not border_plan.steps:
+        return gm
+    by_name = {n.name: n for n in gm.graph.nodes}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for step in border_plan.steps:
+        v, tl, mesh = by_name[step.value], by_name[step.to_local], by_name[step.mesh]
+        others = [u for u in v.users if u is not tl]
+        # right after the value (after the last placeholder for an input), so
+        # the layer border can fall between the local tensor and its DTensor
+        anchor = placeholders[-1] if v.op == "placeholder" else v
+        anchor.append(tl)
+        with gm.graph.inserting_after(tl):
+            dt = gm.graph.call_function(
+                from_local, (tl, mesh, tuple(node_value(v).placements)),
+                {"run_check": False, "grad_placements": step.grad_placements},
+            )
+        dt.meta = {k: val for k, val in v.meta.items() if k in ("example_value", "val", "tensor_meta", "stack_trace")}
+        for u in others:
+            u.replace_input_with(v, dt)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# --- what one layer computes -------------------------------------------------
+
+_MATMUL_OPS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "__matmul__"})
+
+
+def _op_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
+def span_flops(nodes: Sequence[fx.Node]) -> int:
+    """Forward FLOPs of the matrix products in ``nodes`` (2 * output elements *
+    contraction length, from the fake values; other ops count as 0, so the
+    estimate errs low)."""
+    total = 0
+    for n in nodes:
+        if n.op not in ("call_function", "call_method") or _op_name(n) not in _MATMUL_OPS:
+            continue
+        out, a = node_value(n), node_value(n.args[1] if _op_name(n) in ("addmm", "baddbmm") else n.args[0])
+        if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor) or a.dim() == 0:
+            continue
+        if any(isinstance(d, torch.SymInt) for d in (*out.shape, a.shape[-1])):
+            continue
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(out, DTensor):
+            out, a = out._local_tensor, a._local_tensor if isinstance(a, DTensor) else a
+        total += 2 * out.numel() * int(a.shape[-1])
+    return total

@@ -296,3 +296,50 @@ def grad_tensors(state: dict) -> dict[str, DTensor]:
                 if isinstance(t, DTensor) and t.requires_grad:
                     out[f"{k}[{i}]"] = t
     return out
+
+
+# --- nn.Module tensor-parallel stack (issue 21) --------------------------------
+
+class TPBlock(torch.nn.Module):
+    """``row(col(x, w1), w2).redistribute(mesh, [R]) + x`` with DTensor parameters."""
+
+    def __init__(self, mesh, w1: torch.Tensor, w2: torch.Tensor, impl: str = "ours") -> None:
+        super().__init__()
+        if impl == "torch":
+            from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+            self.col, self.row = tp_block(mesh, local_map_fn=torch_local_map)
+        elif impl == "ours":
+            self.col, self.row = tp_block(mesh)
+        else:
+            raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
+        self.mesh = mesh
+        self.w1 = torch.nn.Parameter(distribute_tensor(w1, mesh, [Shard(1)]))
+        self.w2 = torch.nn.Parameter(distribute_tensor(w2, mesh, [Shard(0)]))
+
+    def forward(self, x: DTensor) -> DTensor:
+        return self.row(self.col(x, self.w1), self.w2).redistribute(self.mesh, [Replicate()]) + x
+
+
+class TPStack(torch.nn.Module):
+    """``n_layers`` :class:`TPBlock`\\ s; ``forward(x)`` returns the loss ``(h * h).sum()``."""
+
+    def __init__(self, mesh, n_layers: int, d: int = 128, hidden: int = 256, impl: str = "ours",
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            TPBlock(mesh, _rand(seed + 1 + 2 * i, d, hidden) / d**0.5,
+                    _rand(seed + 2 + 2 * i, hidden, d) / hidden**0.5, impl)
+            for i in range(n_layers)
+        )
+
+    def forward(self, x: DTensor) -> DTensor:
+        for block in self.blocks:
+            x = block(x)
+        loss: DTensor = (x * x).sum()  # type: ignore[assignment]  # DTensor ops return DTensors
+        return loss
+
+
+def tp_stack_input(mesh, batch: int = 32, d: int = 128, seed: int = 0) -> DTensor:
+    """The replicated input of :class:`TPStack` (requires grad)."""
+    return _dist(_rand(seed, batch, d), mesh, [Replicate()])

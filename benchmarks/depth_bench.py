@@ -1,0 +1,303 @@
+"""Deep models (issue 21): compile time and step time against depth, four ways.
+
+    python -m benchmarks.depth_bench                 # default sweep (~10 min on 2 CPUs)
+    python -m benchmarks.depth_bench --full          # every depth, 8 16 32 64, both measurements
+    python -m benchmarks.depth_bench --quick         # every code path once; numbers mean nothing
+
+Two model styles, both tensor-parallel stacks (column region ``relu(x @ w1)``
+``[R],[S(1)] -> [S(1)]`` with in_grad ``([P],[S(1)])``, row region ``y @ w2``
+``[S(1)],[S(0)] -> [P]``, ``redistribute([R])`` per layer, loss ``(h * h).sum()``):
+
+* ``module``: :class:`localmap_fx.testing.models.TPStack`, ``nn.Module``
+  blocks with DTensor ``nn.Parameter``\\ s and a residual
+  (``row(col(x, w1), w2).redistribute(mesh, [R]) + x``);
+* ``functional``: :func:`benchmarks.models.build_tp_stack` (P4/P5's model:
+  weights passed as lists, no residual).
+
+Four columns, interleaved in one run:
+
+* ``upstream_whole``: torch's ``local_map``, ``torch.compile(model, backend="inductor")``;
+* ``upstream_regional``: torch's ``local_map``, each block compiled on its
+  own (``block.compile()``; Dynamo compiles the block's code once and reuses it);
+* ``ours_whole``: ``localmap_fx.local_map``, ``backend="localmap_fx"`` with
+  the default options;
+* ``ours_regional``: ``block.compile(backend="localmap_fx")``.
+
+Cold compile: first forward + backward, one fresh process for all of them on
+a fake process group of 2 (graph-level work only), every cache cold as in
+:mod:`benchmarks.compile_time` (whose per-phase breakdown this reuses).
+Steady step: 2 gloo ranks, B 32, D 128, H 256, paired interleaved rounds
+(:mod:`benchmarks.timing`), wall clock.  Both measurements add
+``ours_shared`` (``share_layers=True``: each distinct layer compiled once,
+called once per layer), so the compile time it saves and the run-time price
+per layer it costs against ``ours_whole`` come from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+__all__ = ["COLUMNS", "STYLES", "cold_worker", "steady_ranks", "run", "main"]
+
+STYLES = ("module", "functional")
+COLUMNS = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional")
+EXTRA = "ours_shared"  # share_layers=True: one compiled piece per layer, called per layer
+
+DEFAULT = {
+    "cold": {"module": [8, 64], "functional": [8, 64]},
+    "steady": {"module": [16, 64], "functional": [16, 64]},
+    "rounds": 8,
+    "calls": 3,
+}
+FULL = {
+    "cold": {"module": [8, 16, 32, 64], "functional": [8, 16, 32, 64]},
+    "steady": {"module": [8, 16, 32, 64], "functional": [8, 16, 32, 64]},
+    "rounds": 12,
+    "calls": 3,
+}
+QUICK = {
+    "cold": {"module": [2], "functional": [2]},
+    "steady": {"module": [2], "functional": [2]},
+    "rounds": 1,
+    "calls": 1,
+    "shape": {"batch": 8, "d": 16, "hidden": 32},
+}
+SHAPE = {"batch": 32, "d": 128, "hidden": 256}
+
+
+def _backend(column: str):
+    if column.startswith("upstream"):
+        return "inductor"
+    if column == EXTRA:
+        import localmap_fx
+
+        return localmap_fx.backend(share_layers=True)
+    return "localmap_fx"
+
+
+def build(mesh, style: str, column: str, n: int, batch: int, d: int, hidden: int):
+    """(step, zero): ``step()`` runs forward + backward and returns the loss."""
+    from torch.distributed.tensor import Replicate
+
+    impl = "torch" if column.startswith("upstream") else "ours"
+    regional = column.endswith("regional")
+    backend = _backend(column)
+    if style == "module":
+        from localmap_fx.testing.models import TPStack, tp_stack_input
+
+        model = TPStack(mesh, n, d=d, hidden=hidden, impl=impl)
+        x = tp_stack_input(mesh, batch, d)
+        if regional:
+            for block in model.blocks:
+                block.compile(backend=backend)
+            fn = model
+        else:
+            fn = torch.compile(model, backend=backend)
+        leaves = [x, *model.parameters()]
+
+        def step():
+            loss = fn(x)
+            loss.backward()
+            return loss
+    elif style == "functional":
+        from .models import build_tp_stack, tp_regions
+
+        whole, st = build_tp_stack(mesh, impl, n_blocks=n, batch=batch, d=d, hidden=hidden)
+        leaves = [st["x"], *st["w1"], *st["w2"]]
+        if regional:
+            col, row = tp_regions(impl, mesh)
+
+            def block(h, w1, w2):
+                return row(col(h, w1), w2).redistribute(mesh, [Replicate()])
+
+            cblock = torch.compile(block, backend=backend)
+
+            def fn(x, w1s, w2s):
+                h = x
+                for w1, w2 in zip(w1s, w2s):
+                    h = cblock(h, w1, w2)
+                return (h * h).sum()
+        else:
+            fn = torch.compile(whole, backend=backend)
+
+        def step():
+            loss = fn(st["x"], st["w1"], st["w2"])
+            loss.backward()
+            return loss
+    else:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+
+    def zero():
+        for t in leaves:
+            t.grad = None
+
+    return step, zero, leaves
+
+
+# --- cold compile ------------------------------------------------------------
+
+def _measure_cold(mesh, style: str, column: str, n: int) -> dict:
+    import torch._dynamo.utils as dutils
+    from torch._inductor import config as iconfig
+    from torch._inductor import metrics
+    from torch._inductor.utils import fresh_cache
+
+    from .compile_time import _phases
+
+    torch._dynamo.reset()
+    step, _, _ = build(mesh, style, column, n, batch=16, d=32, hidden=64)
+    frames_before = dict(torch._dynamo.utils.counters["stats"])
+    with fresh_cache(), iconfig.patch(force_disable_caches=True):
+        metrics.reset()
+        dutils.compilation_time_metrics.clear()
+        t0 = time.perf_counter()
+        step()
+        total = time.perf_counter() - t0
+        phases = _phases(dutils.compilation_time_metrics)
+        kernels = metrics.generated_kernel_count
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before.get("unique_graphs", 0)
+    torch._dynamo.reset()
+    return {"total_s": total, **phases, "kernels": kernels, "graphs": frames}
+
+
+def cold_worker(plan: dict[str, list[int]], shape_unused: dict | None = None) -> dict:
+    """In a fresh process: every (style, column, depth) once, columns interleaved."""
+    from .compile_time import _init_fake_pg, _warm_up
+
+    torch.set_num_threads(1)
+    mesh = _init_fake_pg()
+    _warm_up(mesh)
+    out: dict = {}
+    for style, depths in plan.items():
+        for n in depths:
+            order = (*COLUMNS, EXTRA) if n % 16 else (EXTRA, *reversed(COLUMNS))
+            for column in order:
+                out[f"{style}/{column}/{n}"] = _measure_cold(mesh, style, column, n)
+    return out
+
+
+# --- steady step ---------------------------------------------------------------
+
+def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .timing import summary, time_paired
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    shape = cfg.get("shape", SHAPE)
+    out: dict = {}
+    for style, depths in cfg["steady"].items():
+        for n in depths:
+            sides = {}
+            first: dict = {}
+            ref = None
+            match = {}
+            for column in (*COLUMNS, EXTRA):
+                step, zero, leaves = build(mesh, style, column, n, **shape)
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = step()
+                first[column] = time.perf_counter() - t0
+                # full tensors: sides may leave a gradient Partial or Replicate
+                got = [loss.full_tensor()] + [t.grad.full_tensor() for t in leaves]
+                if ref is None:
+                    ref = got
+                match[column] = all(
+                    torch.allclose(a, b, rtol=1e-4, atol=1e-4 * (1 + b.abs().max().item()))
+                    for a, b in zip(got, ref)
+                )
+                zero()
+
+                def timed(step=step, zero=zero):
+                    step()
+                    zero()
+
+                sides[column] = timed
+            paired = time_paired(sides, cfg["rounds"], cfg["calls"], warmup=1, sync=dist.barrier,
+                                 cpu_clock="process_cpu")
+            key = f"{style}/{n}"
+            out[key] = {
+                "first_call_s": first,
+                "numerics_match": match,
+                "step_us": {c: {n_: summary(paired.per_call(n_, c)) for n_ in sides} for c in ("wall", "cpu")},
+                "ratios": {
+                    clock: {
+                        f"{a}/{b}": paired.ratios(a, b, clock)
+                        for a, b in (("ours_whole", "upstream_whole"), ("ours_whole", "upstream_regional"),
+                                     ("ours_regional", "upstream_regional"), (EXTRA, "upstream_whole"),
+                                     ("upstream_regional", "upstream_whole"))
+                    }
+                    for clock in ("wall", "cpu")
+                },
+                "price_per_layer_us": {
+                    clock: [x / n * 1e6 for x in paired.extras(EXTRA, "ours_whole", clock)] for clock in ("wall", "cpu")
+                },
+            }
+            del sides
+            torch._dynamo.reset()
+    return out
+
+
+# --- driver ----------------------------------------------------------------------
+
+def _loadavg() -> list[float]:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return []
+
+
+def run(cfg: dict, only: set[str] | None = None, log=print) -> dict:
+    from localmap_fx.testing.dist import run_ranks
+
+    from .run import _in_fresh_process
+
+    res: dict = {"config": cfg, "load_start": _loadavg()}
+    t0 = time.perf_counter()
+    if only is None or "cold" in only:
+        log("[depth] cold compile ...")
+        res["cold"] = _in_fresh_process(cold_worker, cfg["cold"])
+        res["cold_s"] = time.perf_counter() - t0
+    if only is None or "steady" in only:
+        log("[depth] steady step (2 gloo ranks) ...")
+        t1 = time.perf_counter()
+        per_rank = run_ranks(steady_ranks, world_size=2, timeout=3000, args=(cfg,))
+        res["steady"] = per_rank[0]
+        res["steady_rank1"] = per_rank[1]
+        res["steady_s"] = time.perf_counter() - t1
+    res["load_end"] = _loadavg()
+    res["run_s"] = time.perf_counter() - t0
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .depth_report import write
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true", help="every depth (8, 16, 32, 64) for both measurements")
+    p.add_argument("--quick", action="store_true", help="2 layers, one round: a smoke test")
+    p.add_argument("--only", default=None, help="cold,steady")
+    p.add_argument("--out", default="benchmarks/out")
+    p.add_argument("--docs", default=None, help="also update DOCS/benchmarks.md and DOCS/benchmarks_depth.png")
+    a = p.parse_args(argv)
+    cfg = QUICK if a.quick else FULL if a.full else DEFAULT
+    only = set(a.only.split(",")) if a.only else None
+    res = run(cfg, only)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "depth.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write(res, a.out, a.docs)
+    print(f"[depth] wrote {a.out}/depth.json, depth.md, depth.png in {res['run_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
