@@ -147,3 +147,25 @@ def test_spmd_check_leaves_no_work_in_the_compiled_graph():
     with_check, without = _aot_text(True), _aot_text(False)
     assert len(with_check) == 2
     assert with_check == without
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"share_layers": False}, {"share_layers": False, "outline": False}, {"fuse_boundaries": False}],
+    ids=["default", "no_sharing", "no_outline", "no_fuse"],
+)
+def test_observed_stages_are_the_pipeline_stages_in_order(options):
+    # STAGES is the one list of what a frame goes through: every stage a
+    # compile reports must be one of them, in that order.
+    from localmap_fx.compiler.pipeline import STAGES
+
+    m = MODELS["loop3"]
+    rec = Recorder("aot_eager", **options)
+    torch.compile(m.step, backend=rec.backend, fullgraph=True)(m.build(mesh_for(m.mesh_ndim), 0))
+    order = [s.name for s in STAGES]
+    seen = list(rec.stages)
+    assert seen and set(seen) <= set(order), seen
+    assert seen == sorted(seen, key=order.index), seen
+    bodies = "outline_regions" if options.get("share_layers") is False and options.get("outline", True) else "inline_shared_bodies"
+    assert bodies in seen and ({"outline_regions", "inline_shared_bodies"} - {bodies}).isdisjoint(seen)
+    assert ("fuse_boundaries" in seen) == options.get("fuse_boundaries", True)
