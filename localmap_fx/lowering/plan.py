@@ -67,37 +67,26 @@ class RedistributePlan:
         return "; ".join(s.text() for s in self.steps)
 
 
-# {mesh: {(src, dst, shape, stride, dtype): plan}}; see Note: [Caches keyed on a mesh]
+# (src, dst, shape, stride, dtype)
+_PlanKey = tuple[tuple[Placement, ...], tuple[Placement, ...], tuple[int, ...], tuple[int, ...], torch.dtype]
+
+# {mesh: {_PlanKey: plan}}; see Note: [Caches keyed on a mesh]
 _PLANS = MeshCache()
 _MAX_PLANS_PER_MESH = 1024
 
 
-def _plan_cached(
-    mesh: DeviceMesh,
-    src: tuple[Placement, ...],
-    dst: tuple[Placement, ...],
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    dtype: torch.dtype,
-) -> RedistributePlan:
+def _plan_cached(mesh: DeviceMesh, key: _PlanKey) -> RedistributePlan:
     plans = _PLANS.get_or_make(mesh, dict)
-    key = (src, dst, shape, stride, dtype)
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= _MAX_PLANS_PER_MESH:
             plans.clear()
-        plan = plans[key] = _make_plan(mesh, src, dst, shape, stride, dtype)
+        plan = plans[key] = _make_plan(mesh, key)
     return plan
 
 
-def _make_plan(
-    mesh: DeviceMesh,
-    src: tuple[Placement, ...],
-    dst: tuple[Placement, ...],
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    dtype: torch.dtype,
-) -> RedistributePlan:
+def _make_plan(mesh: DeviceMesh, key: _PlanKey) -> RedistributePlan:
+    src, dst, shape, stride, dtype = key
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     # not torch's @cache'd _gen_transform_infos: it keeps every mesh it saw
@@ -152,4 +141,4 @@ def plan_redistribute(
     # (the collectives chosen do not depend on sizes).
     shape = tuple(_hint(s) for s in global_shape)
     stride = tuple(int(s) for s in torch.empty(0).new_empty(shape, device="meta").stride())
-    return _plan_cached(mesh, tuple(src), tuple(dst), shape, stride, dtype)
+    return _plan_cached(mesh, (tuple(src), tuple(dst), shape, stride, dtype))

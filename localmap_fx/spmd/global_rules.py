@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..graph_utils import funcol_op
+from ..graph_utils import funcol_op, schema_args
 
 __all__ = ["WholeDimOp", "WHOLE_DIM_OPS", "whole_dims", "CollectiveCall", "collective_of"]
 
@@ -172,17 +172,6 @@ _FUNCOL_KINDS = {
 }
 
 
-def _schema_args(func: Any, args: tuple, kwargs: dict) -> dict:
-    schema = func._schema if isinstance(func, torch._ops.OpOverload) else func.default._schema
-    bound = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(args):
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-    return bound
-
-
 def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
     if isinstance(x, torch.Tensor):
         return (x,)
@@ -198,7 +187,7 @@ def collective_of(func: Any, args: tuple, kwargs: dict) -> CollectiveCall | None
             return CollectiveCall("all_to_all", _tensors(args[0]) if args else (), None, None)
         if kind == "identity":
             return CollectiveCall(kind, _tensors(args[0]) if args else (), None, None)
-        bound = _schema_args(func, args, kwargs)
+        bound = schema_args(func, args, kwargs)
         tensors = bound.get("input", bound.get("inputs", ()))
         reduce_op = bound.get("reduce_op")
         return CollectiveCall(

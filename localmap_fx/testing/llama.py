@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .parallel import MeshLayout, local_map_impl
+from .parallel import MeshLayout, ModelConfig, WeightInit, full_weights, local_map_impl, token_batch
 
 __all__ = ["LlamaConfig", "Llama", "reference_loss", "make_batch", "CHECKPOINT_MODES"]
 
@@ -51,16 +51,12 @@ CHECKPOINT_MODES = (None, "full", "selective")
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    vocab: int = 64
-    dim: int = 32
-    n_layers: int = 2
+class LlamaConfig(ModelConfig):
     n_heads: int = 4
     n_kv_heads: int = 2
     ffn_hidden: int = 64
     max_seq: int = 32
     rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
 
     @property
     def head_dim(self) -> int:
@@ -346,9 +342,7 @@ class Llama(nn.Module):
         loss = (lse - tgt).mean()
         return loss.redistribute(lay.mesh, lay.replicate_all())
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered to a full tensor (for the single-device reference)."""
-        return {k: v.full_tensor() for k, v in self.named_parameters()}  # type: ignore[attr-defined]
+    full_weights = full_weights
 
     def make_inputs(self, batch: int, seq: int, seed: int = 0) -> tuple[DTensor, DTensor]:
         """Random ``(tokens, targets)`` as DTensors placed (dp: S(0), tp: R)."""
@@ -360,33 +354,28 @@ class Llama(nn.Module):
 
 
 def init_weights(cfg: LlamaConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, scale):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
+    init = WeightInit(seed, dtype)
+    randn = init.randn
     d, hd = cfg.dim, cfg.head_dim
     out = {"embed": randn(cfg.vocab, d, scale=1.0)}
     for i in range(cfg.n_layers):
         pre = f"layers.{i}."
-        out[pre + "attn_norm"] = (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+        out[pre + "attn_norm"] = init.norm(d)
         out[pre + "wq"] = randn(d, cfg.n_heads * hd, scale=d**-0.5)
         out[pre + "wk"] = randn(d, cfg.n_kv_heads * hd, scale=d**-0.5)
         out[pre + "wv"] = randn(d, cfg.n_kv_heads * hd, scale=d**-0.5)
         out[pre + "wo"] = randn(cfg.n_heads * hd, d, scale=(cfg.n_heads * hd) ** -0.5 / math.sqrt(2 * cfg.n_layers))
-        out[pre + "mlp_norm"] = (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+        out[pre + "mlp_norm"] = init.norm(d)
         out[pre + "w1"] = randn(d, cfg.ffn_hidden, scale=d**-0.5)
         out[pre + "w3"] = randn(d, cfg.ffn_hidden, scale=d**-0.5)
         out[pre + "w2"] = randn(cfg.ffn_hidden, d, scale=cfg.ffn_hidden**-0.5 / math.sqrt(2 * cfg.n_layers))
-    out["norm"] = (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    out["norm"] = init.norm(d)
     out["output"] = randn(d, cfg.vocab, scale=d**-0.5)
     return out
 
 
 def make_batch(cfg: LlamaConfig, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + seed)
-    data = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    return token_batch(cfg.vocab, batch, seq, 1000 + seed)
 
 
 # --------------------------------------------------------------------------- #

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils.checkpoint import checkpoint
 
 from .llama import _rmsnorm, selective_checkpoint_context
-from .parallel import MeshLayout, local_map_impl
+from .parallel import MeshLayout, ModelConfig, WeightInit, full_weights, local_map_impl, token_batch
 
 __all__ = ["MoEConfig", "MoE", "reference_loss", "make_batch", "DISPATCH_MODES"]
 
@@ -65,17 +65,13 @@ DISPATCH_MODES = ("all_to_all", "all_gather")
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    vocab: int = 64
-    dim: int = 32
-    n_layers: int = 2
+class MoEConfig(ModelConfig):
     n_experts: int = 4
     top_k: int = 2
     moe_hidden: int = 32
     shared_hidden: int = 32
     route_scale: float = 1.0
     aux_coef: float = 0.01
-    norm_eps: float = 1e-5
 
     def check(self, ep: int) -> None:
         bad = []
@@ -300,8 +296,7 @@ class MoE(nn.Module):
         # expect a tangent for them in backward)
         return loss, {"aux": aux.detach(), "tokens_per_expert": counts, "capacity": cap}
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.full_tensor() for k, v in self.named_parameters()}  # type: ignore[attr-defined]
+    full_weights = full_weights
 
     def make_inputs(self, batch: int, seq: int, seed: int = 0) -> tuple[DTensor, DTensor]:
         """Random ``(tokens, targets)`` placed (dp: S(0), ep: S(1))."""
@@ -312,16 +307,13 @@ class MoE(nn.Module):
 
 
 def init_weights(cfg: MoEConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, scale):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
+    init = WeightInit(seed, dtype)
+    randn = init.randn
     d, e, f, fs = cfg.dim, cfg.n_experts, cfg.moe_hidden, cfg.shared_hidden
     out = {"embed": randn(cfg.vocab, d, scale=1.0)}
     for i in range(cfg.n_layers):
         pre = f"layers.{i}."
-        out[pre + "norm"] = (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+        out[pre + "norm"] = init.norm(d)
         out[pre + "router"] = randn(d, e, scale=d**-0.5)
         out[pre + "w1"] = randn(e, d, f, scale=d**-0.5)
         out[pre + "w2"] = randn(e, f, d, scale=f**-0.5 / math.sqrt(2 * cfg.n_layers))
@@ -329,15 +321,13 @@ def init_weights(cfg: MoEConfig, seed: int, dtype: torch.dtype = torch.float32) 
         out[pre + "ws1"] = randn(d, fs, scale=d**-0.5)
         out[pre + "ws2"] = randn(fs, d, scale=fs**-0.5 / math.sqrt(2 * cfg.n_layers))
         out[pre + "ws3"] = randn(d, fs, scale=d**-0.5)
-    out["norm"] = (1.0 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    out["norm"] = init.norm(d)
     out["output"] = randn(d, cfg.vocab, scale=d**-0.5)
     return out
 
 
 def make_batch(cfg: MoEConfig, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2000 + seed)
-    data = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    return token_batch(cfg.vocab, batch, seq, 2000 + seed)
 
 
 def reference_loss(cfg: MoEConfig, w: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor,

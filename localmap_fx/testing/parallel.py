@@ -32,7 +32,16 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-__all__ = ["MeshLayout", "LOCAL_MAP_IMPLS", "local_map_impl", "device_for_rank"]
+__all__ = [
+    "MeshLayout",
+    "LOCAL_MAP_IMPLS",
+    "local_map_impl",
+    "device_for_rank",
+    "ModelConfig",
+    "WeightInit",
+    "token_batch",
+    "full_weights",
+]
 
 
 def _torch_local_map(*args, **kwargs):
@@ -123,3 +132,40 @@ class MeshLayout:
 
     def replicate_all(self) -> tuple[Placement, ...]:
         return (Replicate(),) * self.mesh.ndim
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes every example model has: token embedding, depth, norm epsilon."""
+
+    vocab: int = 64
+    dim: int = 32
+    n_layers: int = 2
+    norm_eps: float = 1e-5
+
+
+class WeightInit:
+    """Seeded random weights of the example models, drawn in call order."""
+
+    def __init__(self, seed: int, dtype: torch.dtype) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+
+    def randn(self, *shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.g) * scale).to(self.dtype)
+
+    def norm(self, dim: int) -> torch.Tensor:
+        """A norm's weight near 1 (not exactly 1, so a wrong gradient shows)."""
+        return (1.0 + 0.1 * torch.randn(dim, generator=self.g)).to(self.dtype)
+
+
+def token_batch(vocab: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(tokens, targets)``: targets are the tokens shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to a full tensor (for the single-device reference)."""
+    return {k: v.full_tensor() for k, v in model.named_parameters()}  # type: ignore[attr-defined]
