@@ -47,6 +47,24 @@ def test_bad_options_name_the_option():
         localmap_fx.backend(fast=True)
 
 
+def test_options_by_name_reach_the_backend():
+    """torch.compile(backend="localmap_fx", options={...}) configures the backend;
+    an unknown key is a ValueError listing the valid ones."""
+    m = MODELS["tp_mlp"]
+    state = m.build(mesh_for(1), 0)
+    stages: list[str] = []
+    opts = {"inner": "eager", "on_stage": lambda name, gm: stages.append(name)}
+    torch.compile(m.step, backend="localmap_fx", options=opts, fullgraph=True)(state).backward()
+    assert stages[0] == "captured" and "lower_boundaries" in stages
+    torch._dynamo.reset()
+    with pytest.raises(ValueError) as info:
+        torch.compile(m.step, backend="localmap_fx", options={"inner": "eager", "fast": True})(state)
+    assert str(info.value).startswith(
+        "torch.compile(backend='localmap_fx', options=...) got unknown option(s) ['fast']: the valid "
+        "keys are ['inner', 'outline', 'fuse_boundaries', 'typecheck', 'on_stage', 'on_aot_graph',"
+    )
+
+
 def test_options_are_a_frozen_dataclass():
     opts = localmap_fx.backend("eager", outline=False).options
     assert isinstance(opts, localmap_fx.BackendOptions)
