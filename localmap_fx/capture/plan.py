@@ -65,7 +65,7 @@ from ..graph_utils import node_value
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
 
-__all__ = ["plan_call", "plan_outputs", "taken"]
+__all__ = ["plan_call", "plan_outputs", "put_identity", "taken"]
 
 _SLOT: list = []
 
@@ -148,6 +148,51 @@ def _local_map(ctx):
     if type(vt) is not UserDefinedObjectVariable or getattr(vt, "source", None) is None:
         return None  # built inside the traced code: its real object is not filled in
     return vt.value
+
+
+def put_identity(ctx) -> None:
+    """comptime, in ``LocalMap.__init__`` under Dynamo: ``(name, definition
+    site)`` of the local ``func`` (Note: [local_map built while Dynamo traces])."""
+    _put(callable_identity(_vt(ctx, "func")))
+
+
+def _realized(vt):
+    return vt.realize() if hasattr(vt, "realize") else vt
+
+
+def callable_identity(vt) -> tuple[str, str]:
+    """Name and site of the callable Dynamo's variable ``vt`` stands for,
+    as :func:`localmap_fx.region.spec_annotation` names a real one: the
+    code's qualified name and first line, else the type's name."""
+    while type(vt).__name__ == "FunctoolsPartialVariable":
+        vt = _realized(vt.func)
+    get_code = getattr(vt, "get_code", None)
+    code = None
+    if get_code is not None:
+        try:
+            code = get_code()
+        except Exception:  # noqa: BLE001 - no code to name it by
+            code = None
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    if type(vt).__name__ == "GetAttrVariable":
+        # e.g. super().__call__: an attribute of something Dynamo keeps symbolic
+        owner = getattr(vt.obj, "objvar", None) or vt.obj
+        try:
+            owner_name = owner.python_type().__qualname__
+        except Exception:  # noqa: BLE001 - an owner without a known type
+            owner_name = type(owner).__name__
+        return f"{owner_name}.{vt.name}", "<unknown>"
+    try:
+        obj = vt.as_python_constant()
+    except Exception:  # noqa: BLE001 - not a constant: its wrapped value, if any
+        obj = getattr(vt, "value", None) or getattr(vt, "fn", None)
+    if obj is None:
+        return type(vt).__name__, "<unknown>"
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    return type(obj).__name__, "<unknown>"
 
 
 def plan_call(ctx) -> None:
