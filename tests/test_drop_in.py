@@ -175,3 +175,48 @@ def test_wrapper_keeps_the_callables_public_attributes():
     # nested: the outer wrapper keeps its own placements (update_wrapper copied the inner's)
     outer = localmap_fx.local_map(wrapped, [Replicate()], ([Replicate()],))
     assert outer.out_placements == [Replicate()] and outer.__wrapped__ is wrapped
+
+
+# --- data-dependent sizes (.tolist() split sizes) ---------------------------------
+
+
+def _dispatch(x, counts):
+    """MoE-style dispatch: all_to_all with .tolist() splits, torch.split by
+    them, index_select, and the reverse all_to_all."""
+    import torch.distributed._functional_collectives as funcol
+
+    sizes = counts.tolist()
+    routed = funcol.all_to_all_single(x, sizes, sizes, (_MESH[0], 0))
+    parts = torch.split(routed, sizes)
+    routed = torch.cat([p * (i + 1) for i, p in enumerate(parts)])
+    order = torch.argsort(routed[:, 0], stable=True)
+    routed = routed.index_select(0, order).index_select(0, torch.argsort(order, stable=True))
+    back = funcol.all_to_all_single(routed, sizes, sizes, (_MESH[0], 0))
+    # static output size, as the MoE's scatter_add into its output buffer
+    torch._check(back.shape[0] == x.shape[0])
+    index = torch.arange(x.shape[0]).reshape(-1, 1).expand(-1, x.shape[1])
+    return x.new_zeros(x.shape).scatter_add(0, index, back)
+
+
+_MESH: list = []
+
+
+def test_body_binding_unbacked_symbols_is_not_outlined():
+    """A body whose .tolist() binds unbacked symbols stays inline when bodies
+    are outlined (share_layers=False): outlined, AOTAutograd failed with
+    PendingUnbackedSymbolNotFound."""
+    from localmap_fx.passes.outline_regions import find_outline_matches
+    from localmap_fx.testing.graphs import Recorder
+
+    _MESH[:] = [mesh_1d()]
+    lm = localmap_fx.local_map(_dispatch, [Shard(0)], ([Shard(0)], [Replicate()]), device_mesh=mesh_1d())
+    x = distribute_tensor(torch.randn(16, 8), mesh_1d(), [Shard(0)]).requires_grad_()
+    counts = distribute_tensor(torch.ones(4, dtype=torch.int64), mesh_1d(), [Replicate()])
+    rec = Recorder("aot_eager", share_layers=False)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(lambda x, c: lm(x, c), backend=rec.backend, fullgraph=True)(x, counts)
+        out.to_local().sum().backward()
+    want = lm(x, counts)
+    assert torch.equal(out.to_local(), want.to_local())
+    (match,) = find_outline_matches(rec.stage("captured"))
+    assert match.skip_reason is not None and match.skip_reason.startswith("creates data-dependent sizes (")
