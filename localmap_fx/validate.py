@@ -1,15 +1,17 @@
 """Checks shared by the eager fallback and the compiled path.
 
 Every check here reproduces the exception type and text that torch 2.14.1's
-``local_map`` raises for the same call, then appends a hint that says how to
-fix the call.  The eager fallback (:mod:`localmap_fx.eager`) and capture
+``local_map`` raises for the same call, and attaches a hint that says how to
+fix the call as an exception note (PEP 678).  The eager fallback (:mod:`localmap_fx.eager`) and capture
 (:mod:`localmap_fx.capture.call`) both call these functions, so a bad call fails the
 same way whether or not it runs under ``torch.compile``.
 
 Note: [Why errors keep torch's wording]
     Users migrate from ``torch.distributed.tensor.experimental.local_map``; code
-    and tests that match on torch's messages must keep working.  We only ever
-    *append* to torch's text.
+    and tests that match on torch's messages (``assertExpectedRaisesInline``
+    compares ``str(e)`` exactly) must keep working.  So ``str(e)`` is
+    torch's text byte for byte and our hint is a note (``e.add_note``),
+    which every traceback prints under the message.
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ def normalize_out_specs(out_placements: Any) -> tuple:
 
 def check_in_count(in_placements: Sequence | None, n_flat: int) -> None:
     if in_placements is not None and len(in_placements) != n_flat:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"in_placements length {len(in_placements)} does not match the number "
             f"of input args {n_flat}!"
-            "\n[localmap_fx] Give one entry per flattened positional argument "
+            ), "Give one entry per flattened positional argument "
             "(pytree leaves of args, in order), with None for non-tensor "
             "arguments."
         )
@@ -81,10 +83,10 @@ def check_grad_count(in_grad_placements: Sequence | None, n_flat: int) -> None:
         return
     n = len(in_grad_placements)
     torch_text = "tuple index out of range: " if n < n_flat else ""
-    raise PlacementsIndexError(
+    raise with_hint(PlacementsIndexError(
         f"{torch_text}in_grad_placements has {n} entr{'y' if n == 1 else 'ies'} but the "
         f"function gets {n_flat} flattened argument{'s' if n_flat != 1 else ''}."
-        "\n[localmap_fx] Give in_grad_placements one entry per flattened "
+        ), "Give in_grad_placements one entry per flattened "
         f"positional argument ({n_flat}, in the order of in_placements), with None "
         "for non-tensor arguments; or pass in_grad_placements=None."
     )
@@ -105,9 +107,9 @@ def check_dtensor_in_spec(
     Returns True when the argument must be redistributed first.
     """
     if spec is None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"DTensor input {arg} expects placements but received {spec}!"
-            f"\n[localmap_fx] in_placements[{idx}] is None but args leaf {idx} "
+            ), f"in_placements[{idx}] is None but args leaf {idx} "
             "is a DTensor: give its placements, e.g. (Shard(0),)."
         )
     spec = _as_placements_for(spec, f"in_placements[{idx}]")
@@ -127,18 +129,18 @@ def check_dtensor_in_spec(
             and len(spec) > mesh_ndim
             and all(isinstance(p, Placement) for p in spec)
         ):
-            # The real cause first: no redistribution can reach these.
-            raise ValueError(
+            # The real cause in the note: no redistribution can reach these.
+            raise with_hint(
+                ValueError(mismatch),
                 f"in_placements[{idx}] = {spec} has {len(spec)} placements but the "
                 f"argument's device mesh has {mesh_ndim} dimension"
-                f"{'s' if mesh_ndim != 1 else ''}.\n{mismatch}"
-                f"\n[localmap_fx] give in_placements[{idx}] one Placement per mesh "
-                f"dimension ({mesh_ndim}), or pass the DTensor on the mesh that "
-                "in_placements describes."
+                f"{'s' if mesh_ndim != 1 else ''}: give in_placements[{idx}] one Placement "
+                f"per mesh dimension ({mesh_ndim}), or pass the DTensor on the mesh that "
+                "in_placements describes.",
             )
-        raise ValueError(
+        raise with_hint(ValueError(
             f"{mismatch}"
-            f"\n[localmap_fx] in_placements[{idx}] = {spec} but the argument "
+            ), f"in_placements[{idx}] = {spec} but the argument "
             f"is placed {arg.placements}."
         )
     return False
@@ -146,9 +148,9 @@ def check_dtensor_in_spec(
 
 def check_dtensor_grad_spec(arg: DTensor | Described, idx: int, spec: Any) -> tuple:
     if spec is None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"DTensor input {arg} expects in grad placements but received {spec}!"
-            f"\n[localmap_fx] in_grad_placements[{idx}] is None for a DTensor "
+            ), f"in_grad_placements[{idx}] is None for a DTensor "
             "argument: give the placements its gradient should have."
         )
     placements = _as_placements_for(spec, f"in_grad_placements[{idx}]")
@@ -161,8 +163,8 @@ def _as_placements_for(spec: Any, where: str) -> tuple | None:
     try:
         return as_placements(spec)
     except TypeError as e:
-        raise PlacementsTypeError(
-            f"{e}\n[localmap_fx] {where} = {spec!r} must be a list of placements "
+        raise with_hint(PlacementsTypeError(
+            f"{e}"), f"{where} = {spec!r} must be a list of placements "
             f"(one per mesh dimension), e.g. [{spec!r}]."
         ) from None
 
@@ -177,10 +179,10 @@ def _type_name(x: Any) -> str:
 
 def check_non_tensor_input(arg: Any, idx: int, spec: Any) -> None:
     if spec is not None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"Non-Tensor input {arg} expects None placements "
             f"but received {spec}!"
-            f"\n[localmap_fx] set in_placements[{idx}] to None for this "
+            ), f"set in_placements[{idx}] to None for this "
             f"{_type_name(arg)} argument."
         )
 
@@ -190,20 +192,20 @@ def check_spmd_types_available() -> None:
     import torch.distributed as dist
 
     if not dist._is_spmd_types_available():
-        raise RuntimeError(
+        raise with_hint(RuntimeError(
             "spmd_types=True requires the spmd_types package to be installed"
-            "\n[localmap_fx] install it (pip install spmd-types==0.3.1) or call "
+            ), "install it (pip install spmd-types==0.3.1) or call "
             "local_map with spmd_types=False."
         )
 
 
 def check_out_count(n_flat_out: int, out_specs: tuple) -> None:
     if n_flat_out != len(out_specs):
-        raise AssertionError(
+        raise with_hint(AssertionError(
             "local_map requires one PlacementType be provided for each output value,"
             f" received {len(out_specs)} out_placements but"
             f" {n_flat_out} is expected!"
-            "\n[localmap_fx] give out_placements as a tuple with one entry per "
+            ), "give out_placements as a tuple with one entry per "
             "flattened output (None for non-tensor outputs)."
         )
 
@@ -212,16 +214,16 @@ def check_output_value(out: Any, idx: int, spec: Any) -> None:
     """Check one flattened output of the body against out_placements[idx]."""
     if isinstance(out, torch.Tensor):
         if isinstance(out, DTensor):
-            raise AssertionError(
+            raise with_hint(AssertionError(
                 f"torch.Tensor output expected but received {type(out)}: {out}"
-                f"\n[localmap_fx] output {idx} of the body is a DTensor; a "
+                ), f"output {idx} of the body is a DTensor; a "
                 "local_map body works on local tensors: return "
                 "out.to_local() or move the DTensor op outside the region."
             )
     elif spec is not None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"Non-tensor output {out} expects None placements but received {spec}!"
-            f"\n[localmap_fx] set out_placements[{idx}] to None for this "
+            ), f"set out_placements[{idx}] to None for this "
             f"{_type_name(out)} output."
         )
 
@@ -429,9 +431,9 @@ def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
             check_out_spec_fits(spec, idx, mesh_ndim, out.ndim)
             _check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":
-            raise AssertionError(
+            raise with_hint(AssertionError(
                 f"torch.Tensor output expected but received {DTensor}: {out}"
-                f"\n[localmap_fx] output {idx} of the body is a DTensor; a "
+                ), f"output {idx} of the body is a DTensor; a "
                 "local_map body works on local tensors: return "
                 "out.to_local() or move the DTensor op outside the region."
             )
@@ -511,10 +513,10 @@ def check_redistribute_target(
     if silent_only:
         # eager: DTensor.redistribute raises (with its own text) for the rest
         if all(isinstance(p, Placement) for p in spec) and len(spec) > mesh_ndim:
-            raise ValueError(
+            raise with_hint(ValueError(
                 f"in_placements[{idx}] = {spec!r} has {len(spec)} placements but the "
                 f"device mesh has {mesh_ndim} dimension{'s' if mesh_ndim != 1 else ''}."
-                f"\n[localmap_fx] {hint}"
+                ), f"{hint}"
             )
         return
     for p in spec:
@@ -525,18 +527,18 @@ def check_redistribute_target(
     if len(spec) < mesh_ndim:
         raise with_hint(IndexError("tuple index out of range"), hint)
     if len(spec) > mesh_ndim:
-        raise ValueError(
+        raise with_hint(ValueError(
             f"in_placements[{idx}] = {spec!r} has {len(spec)} placements but the "
             f"device mesh has {mesh_ndim} dimension{'s' if mesh_ndim != 1 else ''}."
-            f"\n[localmap_fx] {hint}"
+            ), f"{hint}"
         )
     for p in spec:
         if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
             # DTensor.redistribute fails with IndexError or AssertionError
             # depending on the source placements; this error is both.
-            raise ShardDimError(
+            raise with_hint(ShardDimError(
                 f"Sharding dim {p.dim} out of range for a {ndim}-d tensor"
-                f"\n[localmap_fx] {hint} Shard({p.dim}) on a {ndim}-d tensor."
+                ), f"{hint} Shard({p.dim}) on a {ndim}-d tensor."
             )
 
 
@@ -544,8 +546,8 @@ def check_grad_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None
     """in_grad_placements[idx] must describe a gradient of args leaf ``idx``."""
     problem = _placement_problem(spec, mesh_ndim, ndim)
     if problem is not None:
-        raise ValueError(
-            f"in_grad_placements[{idx}] = {spec!r} {problem}.\n[localmap_fx] "
+        raise with_hint(ValueError(
+            f"in_grad_placements[{idx}] = {spec!r} {problem}."), ""
             "torch would only fail later, in backward."
         )
 
@@ -553,27 +555,26 @@ def check_grad_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None
 def check_out_spec_fits(spec: Any, idx: int, mesh_ndim: int, ndim: int) -> None:
     """out_placements[idx] must place a tensor output of ``ndim`` dims on the mesh."""
     if spec is None:
-        raise ValueError(
+        raise with_hint(ValueError(
             f"out_placements[{idx}] is None but output {idx} of the body is a "
-            "Tensor.\n[localmap_fx] give its placements, e.g. [Shard(0)]; None "
+            "Tensor."), "give its placements, e.g. [Shard(0)]; None "
             "is for non-tensor outputs (torch would silently treat it as "
             "Replicate)."
         )
     if isinstance(spec, (list, tuple)) and all(isinstance(p, Placement) for p in spec):
         if len(spec) != mesh_ndim:
-            raise ValueError(
+            raise with_hint(ValueError(
                 f"out_placements[{idx}] = {spec!r} has {len(spec)} placements but "
-                f"the device mesh has {mesh_ndim} dimensions.\n[localmap_fx] give "
+                f"the device mesh has {mesh_ndim} dimensions."), "give "
                 "one Placement per mesh dimension."
             )
 
 
 def with_hint(exc: BaseException, hint: str) -> BaseException:
-    """``exc``'s type and text with ``[localmap_fx] hint`` appended."""
-    try:
-        new = type(exc)(f"{exc}\n[localmap_fx] {hint}")
-    except Exception:
-        exc.add_note(f"[localmap_fx] {hint}")
-        return exc
-    new.__cause__ = exc
-    return new
+    """``exc`` with ``[localmap_fx] hint`` attached as a PEP 678 note.
+
+    ``str(exc)`` is left as it is (torch's text); every traceback prints the
+    note under it.
+    """
+    exc.add_note(f"[localmap_fx] {hint}")
+    return exc

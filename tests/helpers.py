@@ -76,3 +76,9 @@ def waiting_collectives():
     finally:
         for t in issued:
             wait(t)
+
+
+def full_text(e: BaseException) -> str:
+    """An error as a traceback shows it: ``str(e)`` (torch's text) and its
+    PEP 678 notes (localmap_fx's hints)."""
+    return "\n".join([str(e), *getattr(e, "__notes__", ())])

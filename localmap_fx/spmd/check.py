@@ -156,9 +156,10 @@ def out_grad_placements_for(region: Region) -> tuple:
         if isinstance(e, (ValueError, spmd.spmd.SpmdTypeError)):
             spmd.explain(e, region.spec.mesh)
         line = _body_line(node)
+        err = region_error(e, where)
         if line:
-            where += f"\n[localmap_fx] failing body op: {line}"
-        raise region_error(e, where) from e
+            err.add_note(f"[localmap_fx] failing body op: {line}")
+        raise err from e
 
 
 _LIBRARY_DIRS = tuple(
