@@ -146,6 +146,32 @@ def check_dtensor_in_spec(
     return False
 
 
+def same_mesh(a: Any, b: Any) -> bool:
+    """Whether DTensors on ``a`` may enter a region on ``b``: the same mesh, or
+    one of the same shape over the same ranks (rebuilt, or another object)."""
+    return a is b or (tuple(a.shape) == tuple(b.shape) and torch.equal(a.mesh, b.mesh))
+
+
+def check_arg_mesh(arg_mesh: Any, device_mesh: Any, idx: int) -> None:
+    """A DTensor argument must live on ``device_mesh`` (see :func:`same_mesh`).
+
+    Torch's ``local_map`` unwraps it anyway and wraps the outputs on
+    ``device_mesh``, so shards of one mesh would be read as shards of another
+    (a documented deviation: docs/user-guide.md, calls torch accepts silently).
+    """
+    if same_mesh(arg_mesh, device_mesh):
+        return
+    raise with_hint(
+        ValueError(
+            f"args leaf {idx} is a DTensor on {mesh_text(arg_mesh)} (ranks "
+            f"{arg_mesh.mesh.tolist()}) but local_map's device_mesh is {mesh_text(device_mesh)} "
+            f"(ranks {device_mesh.mesh.tolist()})."
+        ),
+        "pass the argument on device_mesh, or give device_mesh the argument's mesh: "
+        "its shards would be read as shards of a mesh of another shape or other ranks.",
+    )
+
+
 def check_dtensor_grad_spec(arg: DTensor | Described, idx: int, spec: Any) -> tuple:
     if spec is None:
         raise with_hint(AssertionError(

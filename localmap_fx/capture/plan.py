@@ -234,6 +234,12 @@ def call_plan(lm, values: list) -> tuple:
     (no region); ``mesh_from`` is the index of the argument whose mesh the
     region uses, or None for ``device_mesh``.
     """
+    if lm.device_mesh is not None:
+        from torch.distributed.tensor import DTensor
+
+        for idx, v in enumerate(values):
+            if isinstance(v, DTensor) and v.device_mesh is not lm.device_mesh:
+                validate.check_arg_mesh(v.device_mesh, lm.device_mesh, idx)
     plan = compile_time_plan(lm, values)
     notes = annotations_of(lm)
     enters = tuple(None if step is None else (*step, notes.enter(idx)) for idx, step in enumerate(plan))
