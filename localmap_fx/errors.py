@@ -69,7 +69,9 @@ def region_error(exc: BaseException, where: str) -> BaseException:
     cls = _compile_error_type(type(exc))
     try:
         if issubclass(cls, _shorten_traceback()):
-            err = _bare(cls, *exc.args)
+            # str(exc), not exc.args: a type's own __str__ (SpmdTypeError adds
+            # its operator context) is not run on the compiled error
+            err = _bare(cls, str(exc))
             err.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
             err.first_useful_frame = None
         else:
