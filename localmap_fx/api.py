@@ -100,7 +100,7 @@ class _FromFunc:
 class LocalMap:
     """A function wrapped by :func:`local_map`; calling it runs the region."""
 
-    __doc__ = _FromFunc("__doc__", __doc__)  # type: ignore[assignment]
+    __doc__ = _FromFunc("__doc__", __doc__)
 
     def __init__(
         self,

@@ -67,17 +67,18 @@ def region_error(exc: BaseException, where: str) -> BaseException:
     in :mod:`localmap_fx.validate`); the call site is a PEP 678 note.
     """
     cls = _compile_error_type(type(exc))
+    err: BaseException = exc
     try:
         if issubclass(cls, _shorten_traceback()):
             # str(exc), not exc.args: a type's own __str__ (SpmdTypeError adds
             # its operator context) is not run on the compiled error
-            err = _bare(cls, str(exc))
-            err.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
-            err.first_useful_frame = None
+            shortened = _bare(cls, str(exc))
+            shortened.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
+            shortened.first_useful_frame = None
+            err = shortened
         else:
             err = cls(*exc.args)
-            err.__notes__ = _notes(exc)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an exception type we cannot rebuild: keep it
         err = exc
     if err is not exc:
         err.__notes__ = _notes(exc)
