@@ -453,3 +453,28 @@ def test_public_shaped_model_graphs_and_numerics(drop_in_report, name):
 # upstream's aot_eager is not bitwise eager here: per-block graphs (3.7e-9 on
 # a gradient, with torch's local_map too)
 NOT_BITWISE_UPSTREAM = ("attention_regional",)
+
+
+def _split_scale(a, sizes):
+    return torch.cat([p * (i + 1) for i, p in enumerate(torch.split(a, sizes))])
+
+
+@pytest.mark.parametrize("share_layers", [False, "auto"])
+def test_sizes_from_tolist_outside_the_region(share_layers):
+    """Split sizes computed by .tolist() before the region (a list argument,
+    in_placements None) and an .item() bound after it: compiles, eager's
+    values bitwise."""
+    lm = localmap_fx.local_map(_split_scale, [Shard(0)], ([Shard(0)], None), device_mesh=mesh_1d())
+
+    def fn(x, counts):
+        out = lm(x, counts.tolist())
+        n = counts[0].item()
+        return out.to_local()[:n] * 2
+
+    x = distribute_tensor(torch.randn(16, 4), mesh_1d(), [Shard(0)])
+    counts = torch.tensor([1, 3])
+    want = fn(x, counts)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(fn, backend=localmap_fx.backend("aot_eager", share_layers=share_layers), fullgraph=True)
+        got = compiled(x, counts)
+    assert torch.equal(got, want)
