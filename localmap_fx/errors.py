@@ -34,8 +34,9 @@ def _compile_error_type(base: type[BaseException]) -> type[BaseException]:
     cls = _ERROR_TYPES.get(base)
     if cls is None:
         try:
-            # The message is the eager str() plus the call site: a base type's own
-            # __str__ (SpmdTypeError appends its ``context``) must not redo it.
+            # The message is the eager str() (made once, in region_error): a
+            # base type's own __str__ (SpmdTypeError appends its ``context``)
+            # must not redo it.
             ns = {"__module__": __name__, "__str__": BaseException.__str__}
             shorten = _shorten_traceback()
             # RuntimeError is already a base of Dynamo's exceptions
