@@ -236,3 +236,23 @@ def test_dtensor_on_an_equal_mesh_is_accepted(compiled):
     out = call(x)
     assert out.device_mesh is mesh_1d()
     assert torch.equal(out.to_local(), x.to_local() * 2)
+
+
+@pytest.mark.parametrize("built_inside", [False, True])
+def test_dtensor_on_another_mesh_traced_path(built_inside):
+    """The traced path (keyword arguments), with the local_map built outside
+    or inside the compiled function: the same ValueError as eager."""
+    x = distribute_tensor(torch.randn(8, 4), mesh_2d(), [Shard(0), Shard(0)])
+    m1 = mesh_1d()
+
+    def make():
+        return localmap_fx.local_map(lambda a, k=1: a * k, [Shard(0)], ([Shard(0)],), device_mesh=m1)
+
+    outer = make()
+
+    def fn(a):
+        return (make() if built_inside else outer)(a, k=2)
+
+    compiled = _raise_of(torch.compile(fn, backend=localmap_fx.backend("aot_eager"), fullgraph=True), (x,))
+    assert isinstance(compiled, ValueError), compiled
+    assert str(compiled).startswith(str(_raise_of(fn, (x,))))

@@ -46,7 +46,7 @@ from .._pytree import flatten_args, pytree, unflatten_args
 from ..errors import compile_time
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
-from .plan import plan_call, plan_outputs, taken
+from .plan import check_meshes, plan_call, plan_outputs, taken
 from .reuse import run_body
 
 if TYPE_CHECKING:
@@ -80,12 +80,17 @@ _check_arg_mesh = _at_compile_time(validate.check_arg_mesh)
 
 
 def _check_meshes(lm: LocalMap, flat_args: list) -> None:
-    """Every DTensor argument on ``device_mesh`` (validate.check_arg_mesh)."""
-    if lm.device_mesh is None:
-        return
-    for idx, arg in enumerate(flat_args):
-        if isinstance(arg, DTensor) and arg.device_mesh is not lm.device_mesh:
-            _check_arg_mesh(arg.device_mesh, lm.device_mesh, idx)
+    """Every DTensor argument on ``device_mesh`` (validate.check_arg_mesh).
+
+    Checked at trace time on the fake values, so no graph node reads a mesh;
+    only a ``local_map`` built in the traced code (no real object to read
+    ``device_mesh`` from) is checked by traced code.
+    """
+    comptime(check_meshes)  # reads the locals ``lm`` and ``flat_args``
+    if taken() == "traced" and lm.device_mesh is not None:
+        for idx, arg in enumerate(flat_args):
+            if isinstance(arg, DTensor) and arg.device_mesh is not lm.device_mesh:
+                _check_arg_mesh(arg.device_mesh, lm.device_mesh, idx)
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:

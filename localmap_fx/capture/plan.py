@@ -65,7 +65,7 @@ from ..graph_utils import node_value
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
 
-__all__ = ["plan_call", "plan_outputs", "put_identity", "taken"]
+__all__ = ["check_meshes", "plan_call", "plan_outputs", "put_identity", "taken"]
 
 _SLOT: list = []
 
@@ -148,6 +148,30 @@ def _local_map(ctx):
     if type(vt) is not UserDefinedObjectVariable or getattr(vt, "source", None) is None:
         return None  # built inside the traced code: its real object is not filled in
     return vt.value
+
+
+def check_meshes(ctx) -> None:
+    """comptime, traced path: raise (through :func:`taken`) if a DTensor in
+    the local ``flat_args`` is not on ``lm.device_mesh``; ``"traced"`` when
+    ``lm`` was built in the traced code and traced code has to check."""
+    from torch._dynamo.variables.tensor import TensorVariable
+    from torch.distributed.tensor import DTensor
+
+    lm = _local_map(ctx)
+    if lm is None:
+        _put("traced")
+        return
+    if lm.device_mesh is not None:
+        for idx, item in enumerate(getattr(_vt(ctx, "flat_args"), "items", None) or ()):
+            item = _realized(item)
+            v = node_value(item.as_proxy().node) if isinstance(item, TensorVariable) else None
+            if isinstance(v, DTensor) and v.device_mesh is not lm.device_mesh:
+                try:
+                    validate.check_arg_mesh(v.device_mesh, lm.device_mesh, idx)
+                except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
+                    _put(_Raise(compile_time(e)))
+                    return
+    _put(None)
 
 
 def put_identity(ctx) -> None:
