@@ -8,7 +8,6 @@ captured as one region (:mod:`localmap_fx.capture.call`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,8 +83,29 @@ def local_map(
     )
 
 
+class _FromFunc:
+    """``functools.update_wrapper``'s copy of one attribute, read when asked.
+
+    On an instance it is the wrapped callable's attribute (or ``default``);
+    on the class it is ``default``.  Nothing is copied at construction, so
+    Dynamo tracing ``local_map(f, ...)`` inside ``forward`` never reads
+    attributes it cannot trace (Note: [local_map built while Dynamo traces]).
+    """
+
+    def __init__(self, name: str, default: Any) -> None:
+        self.name = name
+        self.default = default
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self.default
+        return getattr(obj.func, self.name, self.default)
+
+
 class LocalMap:
     """A function wrapped by :func:`local_map`; calling it runs the region."""
+
+    __doc__ = _FromFunc("__doc__", __doc__)
 
     def __init__(
         self,
@@ -101,10 +121,6 @@ class LocalMap:
             raise ValueError(
                 f'local_map(spmd_types={spmd_types!r}) is not supported: use False, True or "global".'
             )
-        # First: update_wrapper copies func.__dict__ onto self, and when func is
-        # itself a LocalMap (nested local_map) that would overwrite the fields
-        # set below with the inner call's.
-        functools.update_wrapper(self, func)
         self.func = func
         self.out_placements = out_placements
         self.in_placements = in_placements
@@ -143,9 +159,31 @@ class LocalMap:
             return _call_nested_eager(self, args, kwargs)
         return call_eager(self, args, kwargs)
 
+    @property
+    def __wrapped__(self) -> Callable:
+        return self.func
+
+    def __getattr__(self, name: str) -> Any:
+        # Only what update_wrapper would have copied: __name__, __qualname__
+        # and the callable's own attributes (never our fields: a LocalMap
+        # being unpickled or copied has no ``func`` yet).
+        func = self.__dict__.get("func")
+        if func is None or name in _OWN_FIELDS:
+            raise AttributeError(name)
+        if name.startswith("__") and name not in ("__name__", "__qualname__", "__type_params__"):
+            raise AttributeError(name)
+        return getattr(func, name)
+
     def __repr__(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"localmap_fx.local_map({name})"
+
+
+_OWN_FIELDS = frozenset(
+    ("func", "out_placements", "in_placements", "in_grad_placements", "device_mesh",
+     "redistribute_inputs", "spmd_types", "out_specs", "param_names", "spec_annotation",
+     "_eager_plan", "_capture_annotations")
+)
 
 
 def _register_body(func: Callable) -> int | None:
@@ -156,19 +194,28 @@ def _register_body(func: Callable) -> int | None:
 
 # Note: [local_map built while Dynamo traces]
 #     Model code often writes ``local_map(region_fn, ...)(x, w)`` inside
-#     ``forward``; Dynamo then traces ``LocalMap.__init__`` too.  There
-#     ``func.__qualname__`` of a module-level function comes back as a
-#     ``getset_descriptor`` (torch 2.14.1), which is not a constant and broke
-#     the annotation.  The code object's ``co_qualname`` / ``co_filename`` are
-#     constants to Dynamo, so a traced construction names the function from
-#     them (a callable without code is named by its type).  Everything else
-#     in the annotation is placements and flags, constants already; Dynamo
-#     guards on them as usual, so later calls reuse the compiled frame.
+#     ``forward`` (torchtitan wraps ``super().__call__`` on the first call,
+#     and ``F.interpolate`` per image size); Dynamo then traces
+#     ``LocalMap.__init__`` too, and it cannot trace attribute reads on every
+#     callable: ``func.__qualname__`` of a module-level function is a
+#     ``getset_descriptor`` there, ``hasattr(super().__call__, ...)`` and
+#     ``functools.update_wrapper`` on a builtin are graph breaks.  So
+#     nothing in ``__init__`` reads ``func``'s attributes while compiling:
+#     the wrapper attributes are read on demand (:class:`_FromFunc`,
+#     ``__getattr__``), and the region's name and definition site are worked
+#     out at trace time in real Python from Dynamo's variable for ``func``
+#     (:func:`localmap_fx.capture.plan.identity_in_trace`), handed back as
+#     constants.  Everything else in the annotation is placements and flags,
+#     constants already; Dynamo guards on them as usual, so later calls reuse
+#     the compiled frame.
 def _traced_identity(func: Callable) -> tuple[str, str]:
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
-    return type(func).__name__, "<unknown>"
+    from torch._dynamo.comptime import comptime
+
+    from .capture.handoff import taken
+    from .capture.plan import put_identity
+
+    comptime(put_identity)  # reads the local ``func``
+    return taken()
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:

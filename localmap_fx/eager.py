@@ -226,6 +226,8 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         if isinstance(arg, DTensor):
             if mesh is None:
                 mesh = arg.device_mesh
+            elif lm.device_mesh is not None and arg.device_mesh is not mesh:
+                validate.check_arg_mesh(arg.device_mesh, mesh, idx)
             seen_dtensor = True
             if in_specs is not None:
                 spec = in_specs[idx]

@@ -34,10 +34,14 @@ def _compile_error_type(base: type[BaseException]) -> type[BaseException]:
     cls = _ERROR_TYPES.get(base)
     if cls is None:
         try:
-            # The message is the eager str() plus the call site: a base type's own
-            # __str__ (SpmdTypeError appends its ``context``) must not redo it.
+            # The message is the eager str() (made once, in region_error): a
+            # base type's own __str__ (SpmdTypeError appends its ``context``)
+            # must not redo it.
             ns = {"__module__": __name__, "__str__": BaseException.__str__}
-            cls = type(f"Region{base.__name__}", (base, _shorten_traceback()), ns)
+            shorten = _shorten_traceback()
+            # RuntimeError is already a base of Dynamo's exceptions
+            bases = (shorten,) if issubclass(shorten, base) else (base, shorten)
+            cls = type(f"Region{base.__name__}", bases, ns)
         except TypeError:
             # Layout conflict with an exotic exception type: keep the base type.
             cls = base
@@ -53,25 +57,44 @@ def _bare(cls: type[ShortenTraceback], *args: object) -> ShortenTraceback:
     return err
 
 
+def _notes(exc: BaseException) -> list[str]:
+    return list(getattr(exc, "__notes__", ()))
+
+
 def region_error(exc: BaseException, where: str) -> BaseException:
-    """``exc`` re-created with ``where`` (the region's call site) appended."""
-    msg = f"{exc}\n[localmap_fx] in {where}"
+    """``exc`` as raised at compile time, with a note naming the region's call site.
+
+    ``str()`` stays the eager text (Note: [Why errors keep torch's wording]
+    in :mod:`localmap_fx.validate`); the call site is a PEP 678 note.
+    """
     cls = _compile_error_type(type(exc))
+    err: BaseException = exc
     try:
         if issubclass(cls, _shorten_traceback()):
-            err = _bare(cls, msg)
-            err.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
-            err.first_useful_frame = None
-            return err
-        return cls(msg)
-    except Exception:
-        exc.add_note(f"[localmap_fx] in {where}")
-        return exc
+            # str(exc), not exc.args: a type's own __str__ (SpmdTypeError adds
+            # its operator context) is not run on the compiled error
+            shortened = _bare(cls, str(exc))
+            shortened.__dict__.update(getattr(exc, "__dict__", {}))  # e.g. SpmdTypeError.context
+            shortened.first_useful_frame = None
+            err = shortened
+        else:
+            err = cls(*exc.args)
+    except Exception:  # noqa: BLE001 - an exception type we cannot rebuild: keep it
+        err = exc
+    if err is not exc:
+        err.__notes__ = _notes(exc)
+    err.add_note(f"[localmap_fx] in {where}")
+    return err
 
 
 def compile_time(exc: BaseException) -> BaseException:
-    """``exc`` as raised at compile time: same type and text, passed through by Dynamo."""
+    """``exc`` as raised at compile time: same type, text and notes, passed through by Dynamo."""
     cls = _compile_error_type(type(exc))
     if not issubclass(cls, _shorten_traceback()):
         return exc
-    return _bare(cls, *exc.args)
+    err = _bare(cls, *exc.args)
+    err.__dict__.update(getattr(exc, "__dict__", {}))
+    err.first_useful_frame = None
+    if hasattr(exc, "__notes__"):
+        err.__notes__ = _notes(exc)
+    return err

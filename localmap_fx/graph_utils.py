@@ -28,7 +28,7 @@ import dataclasses
 import operator
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ import torch.fx as fx
 __all__ = [
     "splice_subgraph_call",
     "node_value",
+    "binds_unbacked_symbols",
     "custom_meta",
     "FUNCOL_NAMESPACES",
     "NON_COLLECTIVE_OPS",
@@ -84,6 +85,15 @@ def is_symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(
         isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())
     )
+
+
+def binds_unbacked_symbols(nodes: Iterable[fx.Node]) -> fx.Node | None:
+    """The first of ``nodes`` that binds an unbacked symbol (``.item()``,
+    ``.tolist()``, a data-dependent output size), or None."""
+    for n in nodes:
+        if n.meta.get("unbacked_bindings"):
+            return n
+    return None
 
 
 def is_size_computation(node: fx.Node) -> bool:

@@ -1,15 +1,17 @@
 """Checks shared by the eager fallback and the compiled path.
 
 Every check here reproduces the exception type and text that torch 2.14.1's
-``local_map`` raises for the same call, then appends a hint that says how to
-fix the call.  The eager fallback (:mod:`localmap_fx.eager`) and capture
+``local_map`` raises for the same call, and attaches a hint that says how to
+fix the call as an exception note (PEP 678).  The eager fallback (:mod:`localmap_fx.eager`) and capture
 (:mod:`localmap_fx.capture.call`) both call these functions, so a bad call fails the
 same way whether or not it runs under ``torch.compile``.
 
 Note: [Why errors keep torch's wording]
     Users migrate from ``torch.distributed.tensor.experimental.local_map``; code
-    and tests that match on torch's messages must keep working.  We only ever
-    *append* to torch's text.
+    and tests that match on torch's messages (``assertExpectedRaisesInline``
+    compares ``str(e)`` exactly) must keep working.  So ``str(e)`` is
+    torch's text byte for byte and our hint is a note (``e.add_note``),
+    which every traceback prints under the message.
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ def normalize_out_specs(out_placements: Any) -> tuple:
 
 def check_in_count(in_placements: Sequence | None, n_flat: int) -> None:
     if in_placements is not None and len(in_placements) != n_flat:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"in_placements length {len(in_placements)} does not match the number "
             f"of input args {n_flat}!"
-            "\n[localmap_fx] Give one entry per flattened positional argument "
+            ), "Give one entry per flattened positional argument "
             "(pytree leaves of args, in order), with None for non-tensor "
             "arguments."
         )
@@ -83,10 +85,10 @@ def check_grad_count(in_grad_placements: Sequence | None, n_flat: int) -> None:
         return
     n = len(in_grad_placements)
     torch_text = "tuple index out of range: " if n < n_flat else ""
-    raise PlacementsIndexError(
+    raise with_hint(PlacementsIndexError(
         f"{torch_text}in_grad_placements has {n} entr{'y' if n == 1 else 'ies'} but the "
         f"function gets {n_flat} flattened argument{'s' if n_flat != 1 else ''}."
-        "\n[localmap_fx] Give in_grad_placements one entry per flattened "
+        ), "Give in_grad_placements one entry per flattened "
         f"positional argument ({n_flat}, in the order of in_placements), with None "
         "for non-tensor arguments; or pass in_grad_placements=None."
     )
@@ -107,9 +109,9 @@ def check_dtensor_in_spec(
     Returns True when the argument must be redistributed first.
     """
     if spec is None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"DTensor input {arg} expects placements but received {spec}!"
-            f"\n[localmap_fx] in_placements[{idx}] is None but args leaf {idx} "
+            ), f"in_placements[{idx}] is None but args leaf {idx} "
             "is a DTensor: give its placements, e.g. (Shard(0),)."
         )
     spec = _as_placements_for(spec, f"in_placements[{idx}]")
@@ -126,28 +128,54 @@ def check_dtensor_in_spec(
         mesh_ndim = _mesh_ndim_of(arg)
         problem = None if mesh_ndim is None else placement_problem(spec, mesh_ndim)
         if problem is not None and problem.kind == TOO_MANY:
-            # The real cause first: no redistribution can reach these.
-            raise ValueError(
+            # The real cause in the note: no redistribution can reach these.
+            raise with_hint(
+                ValueError(mismatch),
                 f"in_placements[{idx}] = {spec} has {len(spec)} placements but the "
                 f"argument's device mesh has {mesh_ndim} dimension"
-                f"{'s' if mesh_ndim != 1 else ''}.\n{mismatch}"
-                f"\n[localmap_fx] give in_placements[{idx}] one Placement per mesh "
-                f"dimension ({mesh_ndim}), or pass the DTensor on the mesh that "
-                "in_placements describes."
+                f"{'s' if mesh_ndim != 1 else ''}: give in_placements[{idx}] one Placement "
+                f"per mesh dimension ({mesh_ndim}), or pass the DTensor on the mesh that "
+                "in_placements describes.",
             )
-        raise ValueError(
+        raise with_hint(ValueError(
             f"{mismatch}"
-            f"\n[localmap_fx] in_placements[{idx}] = {spec} but the argument "
+            ), f"in_placements[{idx}] = {spec} but the argument "
             f"is placed {arg.placements}."
         )
     return False
 
 
+def same_mesh(a: Any, b: Any) -> bool:
+    """Whether DTensors on ``a`` may enter a region on ``b``: the same mesh, or
+    one of the same shape over the same ranks (rebuilt, or another object)."""
+    return a is b or (tuple(a.shape) == tuple(b.shape) and torch.equal(a.mesh, b.mesh))
+
+
+def check_arg_mesh(arg_mesh: Any, device_mesh: Any, idx: int) -> None:
+    """A DTensor argument must live on ``device_mesh`` (see :func:`same_mesh`).
+
+    Torch's ``local_map`` unwraps it anyway and wraps the outputs on
+    ``device_mesh``, so shards of one mesh would be read as shards of another
+    (a documented deviation: docs/user-guide.md, calls torch accepts silently).
+    """
+    if same_mesh(arg_mesh, device_mesh):
+        return
+    raise with_hint(
+        ValueError(
+            f"args leaf {idx} is a DTensor on {mesh_text(arg_mesh)} (ranks "
+            f"{arg_mesh.mesh.tolist()}) but local_map's device_mesh is {mesh_text(device_mesh)} "
+            f"(ranks {device_mesh.mesh.tolist()})."
+        ),
+        "pass the argument on device_mesh, or give device_mesh the argument's mesh: "
+        "its shards would be read as shards of a mesh of another shape or other ranks.",
+    )
+
+
 def check_dtensor_grad_spec(arg: DTensor | Described, idx: int, spec: Any) -> tuple:
     if spec is None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"DTensor input {arg} expects in grad placements but received {spec}!"
-            f"\n[localmap_fx] in_grad_placements[{idx}] is None for a DTensor "
+            ), f"in_grad_placements[{idx}] is None for a DTensor "
             "argument: give the placements its gradient should have."
         )
     placements = _as_placements_for(spec, f"in_grad_placements[{idx}]")
@@ -160,8 +188,8 @@ def _as_placements_for(spec: Any, where: str) -> tuple | None:
     try:
         return as_placements(spec)
     except TypeError as e:
-        raise PlacementsTypeError(
-            f"{e}\n[localmap_fx] {where} = {spec!r} must be a list of placements "
+        raise with_hint(PlacementsTypeError(
+            f"{e}"), f"{where} = {spec!r} must be a list of placements "
             f"(one per mesh dimension), e.g. [{spec!r}]."
         ) from None
 
@@ -176,10 +204,10 @@ def _type_name(x: Any) -> str:
 
 def check_non_tensor_input(arg: Any, idx: int, spec: Any) -> None:
     if spec is not None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"Non-Tensor input {arg} expects None placements "
             f"but received {spec}!"
-            f"\n[localmap_fx] set in_placements[{idx}] to None for this "
+            ), f"set in_placements[{idx}] to None for this "
             f"{_type_name(arg)} argument."
         )
 
@@ -189,20 +217,20 @@ def check_spmd_types_available() -> None:
     import torch.distributed as dist
 
     if not dist._is_spmd_types_available():
-        raise RuntimeError(
+        raise with_hint(RuntimeError(
             "spmd_types=True requires the spmd_types package to be installed"
-            "\n[localmap_fx] install it (pip install spmd-types==0.3.1) or call "
+            ), "install it (pip install spmd-types==0.3.1) or call "
             "local_map with spmd_types=False."
         )
 
 
 def check_out_count(n_flat_out: int, out_specs: tuple) -> None:
     if n_flat_out != len(out_specs):
-        raise AssertionError(
+        raise with_hint(AssertionError(
             "local_map requires one PlacementType be provided for each output value,"
             f" received {len(out_specs)} out_placements but"
             f" {n_flat_out} is expected!"
-            "\n[localmap_fx] give out_placements as a tuple with one entry per "
+            ), "give out_placements as a tuple with one entry per "
             "flattened output (None for non-tensor outputs)."
         )
 
@@ -211,16 +239,16 @@ def check_output_value(out: Any, idx: int, spec: Any) -> None:
     """Check one flattened output of the body against out_placements[idx]."""
     if isinstance(out, torch.Tensor):
         if isinstance(out, DTensor):
-            raise AssertionError(
+            raise with_hint(AssertionError(
                 f"torch.Tensor output expected but received {type(out)}: {out}"
-                f"\n[localmap_fx] output {idx} of the body is a DTensor; a "
+                ), f"output {idx} of the body is a DTensor; a "
                 "local_map body works on local tensors: return "
                 "out.to_local() or move the DTensor op outside the region."
             )
     elif spec is not None:
-        raise AssertionError(
+        raise with_hint(AssertionError(
             f"Non-tensor output {out} expects None placements but received {spec}!"
-            f"\n[localmap_fx] set out_placements[{idx}] to None for this "
+            ), f"set out_placements[{idx}] to None for this "
             f"{_type_name(out)} output."
         )
 
@@ -476,9 +504,9 @@ def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
             check_out_spec_fits(spec, idx, mesh_ndim, out.ndim, later)
             check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":
-            raise AssertionError(
+            raise with_hint(AssertionError(
                 f"torch.Tensor output expected but received {DTensor}: {out}"
-                f"\n[localmap_fx] output {idx} of the body is a DTensor; a "
+                ), f"output {idx} of the body is a DTensor; a "
                 "local_map body works on local tensors: return "
                 "out.to_local() or move the DTensor op outside the region."
             )
@@ -545,11 +573,7 @@ def _raise_too_long_targets(spec: Any, idx: int, mesh_ndim: int, later: Iterable
         f"device mesh has {m} dimension{'s' if m != 1 else ''}."
         for (j, s, m, *_), _ in found
     )
-    hint = _redistribute_hint(spec, idx, mesh_ndim)
-    raise ValueError(
-        f"{text}"
-        f"\n[localmap_fx] {hint}"
-    )
+    raise with_hint(ValueError(text), _redistribute_hint(spec, idx, mesh_ndim))
 
 
 def check_redistribute_target_length(
@@ -592,9 +616,9 @@ def check_redistribute_target(
     # DTensor.redistribute fails with IndexError or AssertionError
     # depending on the source placements; this error is both.
     dim = problem.entry.dim
-    raise ShardDimError(
-        f"Sharding dim {dim} out of range for a {ndim}-d tensor"
-        f"\n[localmap_fx] {hint} Shard({dim}) on a {ndim}-d tensor."
+    raise with_hint(
+        ShardDimError(f"Sharding dim {dim} out of range for a {ndim}-d tensor"),
+        f"{hint} Shard({dim}) on a {ndim}-d tensor.",
     )
 
 
@@ -622,10 +646,7 @@ def check_grad_spec_fits(
     if problem is not None:
         found = _offenders(((idx, spec, mesh_ndim, ndim), problem), later, _grad_problem)
         text = "\n".join(f"in_grad_placements[{j}] = {_spec_text(s)} {p.text}." for (j, s, *_), p in found)
-        raise ValueError(
-            f"{text}\n[localmap_fx] "
-            "torch would only fail later, in backward."
-        )
+        raise with_hint(ValueError(text), "torch would only fail later, in backward.")
 
 
 def _out_problem(mesh_ndim: int):
@@ -662,19 +683,17 @@ def check_out_spec_fits(
     problem = problem_of((idx, spec, ndim))
     if problem is not None:
         found = _offenders(((idx, spec, ndim), problem), later, problem_of)
-        hints = list(dict.fromkeys(hint for _, (_, hint) in found))
-        raise ValueError(
-            "\n".join(text for _, (text, _) in found)
-            + "".join(f"\n[localmap_fx] {hint}" for hint in hints)
-        )
+        exc: BaseException = ValueError("\n".join(text for _, (text, _) in found))
+        for hint in dict.fromkeys(hint for _, (_, hint) in found):
+            exc = with_hint(exc, hint)
+        raise exc
 
 
 def with_hint(exc: BaseException, hint: str) -> BaseException:
-    """``exc``'s type and text with ``[localmap_fx] hint`` appended."""
-    try:
-        new = type(exc)(f"{exc}\n[localmap_fx] {hint}")
-    except Exception:
-        exc.add_note(f"[localmap_fx] {hint}")
-        return exc
-    new.__cause__ = exc
-    return new
+    """``exc`` with ``[localmap_fx] hint`` attached as a PEP 678 note.
+
+    ``str(exc)`` is left as it is (torch's text); every traceback prints the
+    note under it.
+    """
+    exc.add_note(f"[localmap_fx] {hint}")
+    return exc

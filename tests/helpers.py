@@ -116,3 +116,9 @@ def relative_errors(grads: dict) -> dict:
         for mode, gs in grads.items()
         if mode != "eager"
     }
+
+
+def full_text(e: BaseException) -> str:
+    """An error as a traceback shows it: ``str(e)`` (torch's text) and its
+    PEP 678 notes (localmap_fx's hints)."""
+    return "\n".join([str(e), *getattr(e, "__notes__", ())])

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import localmap_fx
 
-from helpers import WORLD_SIZE, mesh_1d, rank_dtensor
+from helpers import WORLD_SIZE, full_text, mesh_1d, rank_dtensor
 
 S0, R = [Shard(0)], [Replicate()]
 
@@ -115,6 +115,6 @@ def test_errors_name_the_argument_path(compiled):
                 call = torch.compile(call, backend=localmap_fx.backend("aot_eager", outline=False), fullgraph=True)
             with pytest.raises(exc) as info:
                 call(d, ws)
-            assert path in str(info.value), (spec, str(info.value))
-            assert "[localmap_fx]" in str(info.value), (spec, str(info.value))  # the fix
+            assert path in full_text(info.value), (spec, full_text(info.value))
+            assert "[localmap_fx]" in full_text(info.value), (spec, full_text(info.value))  # the fix
             torch._dynamo.reset()

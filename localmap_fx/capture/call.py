@@ -47,7 +47,7 @@ from ..errors import compile_time
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from .handoff import taken
-from .plan import plan_call, plan_outputs
+from .plan import check_meshes, plan_call, plan_outputs
 from .reuse import run_body
 
 if TYPE_CHECKING:
@@ -77,6 +77,21 @@ def _at_compile_time(check):
 _plan_inputs = _at_compile_time(validate.plan_inputs)
 _plan_nested_inputs = _at_compile_time(validate.plan_nested_inputs)
 _check_outputs = _at_compile_time(validate.check_outputs)
+_check_arg_mesh = _at_compile_time(validate.check_arg_mesh)
+
+
+def _check_meshes(lm: LocalMap, flat_args: list) -> None:
+    """Every DTensor argument on ``device_mesh`` (validate.check_arg_mesh).
+
+    Checked at trace time on the fake values, so no graph node reads a mesh;
+    only a ``local_map`` built in the traced code (no real object to read
+    ``device_mesh`` from) is checked by traced code.
+    """
+    comptime(check_meshes)  # reads the locals ``lm`` and ``flat_args``
+    if taken() == "traced" and lm.device_mesh is not None:
+        for idx, arg in enumerate(flat_args):
+            if isinstance(arg, DTensor) and arg.device_mesh is not lm.device_mesh:
+                _check_arg_mesh(arg.device_mesh, lm.device_mesh, idx)
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
@@ -141,6 +156,7 @@ def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     if nested:
         # in_placements mirrors the arguments (or names them): own flattening
         flat_args, paths, n_positional, kw_tree = argtree.flatten_call(lm.in_placements, args, kwargs)
+        _check_meshes(lm, flat_args)
         plan, flat_specs, flat_grads = _plan_nested_inputs(
             tuple(validate.describe_traced(a) for a in flat_args),
             paths,
@@ -153,6 +169,7 @@ def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
         annotation = {META_SPEC: {**lm.spec_annotation[META_SPEC], "in": flat_specs, "in_grad": flat_grads}}
     else:
         annotation = lm.spec_annotation
+        _check_meshes(lm, flat_args)
         plan = _plan_inputs(
             tuple(validate.describe_traced(a) for a in flat_args),
             lm.in_placements,

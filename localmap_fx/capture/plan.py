@@ -61,7 +61,7 @@ from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from . import handoff
 from .handoff import local_vt, realized
 
-__all__ = ["plan_call", "plan_outputs"]
+__all__ = ["check_meshes", "plan_call", "plan_outputs", "put_identity"]
 
 
 # Note: [Constants handed to the trace are private copies]
@@ -133,6 +133,71 @@ def _local_map(ctx):
     return vt.value
 
 
+def check_meshes(ctx) -> None:
+    """comptime, traced path: raise (through :func:`taken`) if a DTensor in
+    the local ``flat_args`` is not on ``lm.device_mesh``; ``"traced"`` when
+    ``lm`` was built in the traced code and traced code has to check."""
+    from torch._dynamo.variables.tensor import TensorVariable
+    from torch.distributed.tensor import DTensor
+
+    lm = _local_map(ctx)
+    if lm is None:
+        _put("traced")
+        return
+    if lm.device_mesh is not None:
+        for idx, item in enumerate(getattr(local_vt(ctx, "flat_args"), "items", None) or ()):
+            item = realized(item)
+            v = node_value(item.as_proxy().node) if isinstance(item, TensorVariable) else None
+            if isinstance(v, DTensor) and v.device_mesh is not lm.device_mesh:
+                try:
+                    validate.check_arg_mesh(v.device_mesh, lm.device_mesh, idx)
+                except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
+                    _put(handoff.Raise(compile_time(e)))
+                    return
+    _put(None)
+
+
+def put_identity(ctx) -> None:
+    """comptime, in ``LocalMap.__init__`` under Dynamo: ``(name, definition
+    site)`` of the local ``func`` (Note: [local_map built while Dynamo traces])."""
+    _put(callable_identity(local_vt(ctx, "func")))
+
+
+def callable_identity(vt) -> tuple[str, str]:
+    """Name and site of the callable Dynamo's variable ``vt`` stands for,
+    as :func:`localmap_fx.region.spec_annotation` names a real one: the
+    code's qualified name and first line, else the type's name."""
+    while type(vt).__name__ == "FunctoolsPartialVariable":
+        vt = realized(vt.func)
+    get_code = getattr(vt, "get_code", None)
+    code = None
+    if get_code is not None:
+        try:
+            code = get_code()
+        except Exception:  # noqa: BLE001 - no code to name it by
+            code = None
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    if type(vt).__name__ == "GetAttrVariable":
+        # e.g. super().__call__: an attribute of something Dynamo keeps symbolic
+        owner = getattr(vt.obj, "objvar", None) or vt.obj
+        try:
+            owner_name = owner.python_type().__qualname__
+        except Exception:  # noqa: BLE001 - an owner without a known type
+            owner_name = type(owner).__name__
+        return f"{owner_name}.{vt.name}", "<unknown>"
+    try:
+        obj = vt.as_python_constant()
+    except Exception:  # noqa: BLE001 - not a constant: its wrapped value, if any
+        obj = getattr(vt, "value", None) or getattr(vt, "fn", None)
+    if obj is None:
+        return type(vt).__name__, "<unknown>"
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
+    return type(obj).__name__, "<unknown>"
+
+
 def plan_call(ctx) -> None:
     """comptime, before the region: the call's plan (see :func:`call_plan`),
     or None (take the traced path).  Reads locals ``lm`` and ``args``."""
@@ -172,6 +237,12 @@ def call_plan(lm, values: list) -> tuple:
     (no region); ``mesh_from`` is the index of the argument whose mesh the
     region uses, or None for ``device_mesh``.
     """
+    if lm.device_mesh is not None:
+        from torch.distributed.tensor import DTensor
+
+        for idx, v in enumerate(values):
+            if isinstance(v, DTensor) and v.device_mesh is not lm.device_mesh:
+                validate.check_arg_mesh(v.device_mesh, lm.device_mesh, idx)
     plan = compile_time_plan(lm, values)
     notes = annotations_of(lm)
     enters = tuple(None if step is None else (*step, notes.enter(idx)) for idx, step in enumerate(plan))

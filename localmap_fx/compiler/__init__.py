@@ -27,6 +27,7 @@ __all__ = [
     "compile_graph",
     "layer_sharing_decision",
     "localmap_fx_backend",
+    "options_from",
 ]
 
 
@@ -48,6 +49,37 @@ def backend(inner: str = "inductor", **options: Any) -> Callable:
     return localmap_fx
 
 
-def localmap_fx_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """The default backend registered as ``"localmap_fx"`` (inner = inductor)."""
-    return compile_graph(gm, example_inputs, BackendOptions())
+def options_from(options: dict[str, Any] | None) -> BackendOptions:
+    """The :class:`BackendOptions` of ``torch.compile(..., options=options)``.
+
+    The keys are the keyword arguments of :func:`backend`; any other key is
+    a ValueError (torch.compile would otherwise drop it silently).
+    """
+    if not options:
+        return BackendOptions()
+    fields = [f.name for f in dataclasses.fields(BackendOptions)]
+    unknown = sorted(set(options) - set(fields), key=str)
+    if unknown:
+        raise ValueError(
+            f"torch.compile(backend='localmap_fx', options=...) got unknown option(s) "
+            f"{unknown}: the valid keys are {fields} (those of localmap_fx.backend)."
+        )
+    return BackendOptions(**options)
+
+
+def localmap_fx_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict[str, Any] | None = None
+):
+    """The backend registered as ``"localmap_fx"``.
+
+    ``torch.compile(model, backend="localmap_fx", options={...})`` hands
+    ``options`` here; without it the defaults apply (inner = inductor).
+    """
+    try:
+        opts = options_from(options)
+    except (ValueError, TypeError) as e:
+        # a ValueError at the torch.compile call, not a BackendCompilerFailed
+        from ..errors import compile_time
+
+        raise compile_time(e) from None
+    return compile_graph(gm, example_inputs, opts)

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.utils._python_dispatch
 
 from ..analysis import find_effects, storage_key, structural_key
-from ..graph_utils import fetch_attr, getitem_users, is_symbolic, subgraph_attr
+from ..graph_utils import binds_unbacked_symbols, fetch_attr, getitem_users, is_symbolic, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
 from . import PassResult
@@ -71,6 +71,10 @@ def _skip_reason(region: Region) -> str | None:
         # as with reuse and layer sharing: Dynamo shares shape symbols and
         # their arithmetic between calls, which an outlined body would own
         return "symbolic sizes (dynamic shapes)"
+    bound = binds_unbacked_symbols(region.body_nodes)
+    if bound is not None:
+        # Note: [Bodies that create data-dependent sizes]
+        return f"creates data-dependent sizes ({bound.name} binds {_symbols(bound)})"
     in_storages: dict[object, str] = {}
     for n in inputs:
         k = storage_key(_val(n))
@@ -94,6 +98,18 @@ def _skip_reason(region: Region) -> str | None:
         i, op = written[0]
         return f"writes to input {inputs[i].name} in place ({op})"
     return None
+
+
+# Note: [Bodies that create data-dependent sizes]
+#     A ``.tolist()`` / ``.item()`` in a body (MoE split sizes) binds unbacked
+#     symbols (``u0, u1, ...``; the node's ``meta["unbacked_bindings"]``) that
+#     later body ops use in their sizes.  Outlined, those bindings live only
+#     inside the subgraph: AOTAutograd traces the ``invoke_subgraph`` with
+#     the symbols pending and, since the subgraph returns tensors rather than
+#     the symbols, fails with ``PendingUnbackedSymbolNotFound``.  Inline, the
+#     bindings stay in the graph that uses them, as upstream has them.
+def _symbols(node: fx.Node) -> str:
+    return ", ".join(sorted(str(s) for s in node.meta.get("unbacked_bindings", {})))
 
 
 def _body_key(graph: fx.Graph, owner: torch.nn.Module) -> tuple:

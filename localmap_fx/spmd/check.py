@@ -173,9 +173,10 @@ def out_grad_placements_for(region: Region, global_check: bool = False) -> tuple
         if isinstance(e, (ValueError, spmd.spmd.SpmdTypeError)) and not getattr(e, "_localmap_fx_global", False):
             spmd.explain(e, region.spec.mesh)
         line = _body_line(node)
+        err = region_error(e, where)
         if line:
-            where += f"\n[localmap_fx] failing body op: {line}"
-        raise region_error(e, where) from e
+            err.add_note(f"[localmap_fx] failing body op: {line}")
+        raise err from e
 
 
 _LIBRARY_DIRS = tuple(

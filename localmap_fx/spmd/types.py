@@ -264,30 +264,49 @@ def _axis_names(mesh: DeviceMesh) -> str:
     return "; ".join(parts)
 
 
-def explain(e: BaseException, mesh: DeviceMesh | None) -> BaseException:
-    """Append localmap_fx's hint to an error of the SPMD check, in place.
+# The errors of the SPMD check that a missing collective or a wrong
+# placement causes (the note names the mesh axes and the fixes) ...
+_TYPE_MISMATCH = ("Output tensor placement mismatch", "Output tensor has no spmd_types annotation")
+# ... and the others, each with its own fix.
+_OTHER_HINTS = {
+    "local_map(spmd_types=True) cannot represent": (
+        "change in_grad_placements to one of the grad placements listed above for "
+        "that input, or pass spmd_types=False."
+    ),
+    "local_map(spmd_types=True) does not support placement type": (
+        "spmd_types=True types Shard, Replicate and Partial placements only: use "
+        "those in in_placements / out_placements, or pass spmd_types=False."
+    ),
+    "out_placements has None for a Tensor output": (
+        "give that output its placements in out_placements, e.g. [Shard(0)]."
+    ),
+}
 
-    spmd_types names mesh axes by their process group (``default_pg``); the
-    hint says which ``device_mesh`` dimension that is and how to fix the
-    call.  The text is appended *after* spmd_types' (after an
-    ``SpmdTypeError``'s operator context), so torch's message stays a prefix.
+
+def explain(e: BaseException, mesh: DeviceMesh | None) -> BaseException:
+    """Attach localmap_fx's hint to an error of the SPMD check, as a note.
+
+    spmd_types names mesh axes by their process group (``default_pg``); for
+    a type error the note says which ``device_mesh`` dimension that is and
+    how to fix the body or the placements.  ``str(e)`` is left as torch's.
     """
     if getattr(e, "_localmap_fx_explained", False):
         return e
-    names = _axis_names(mesh) if mesh is not None else ""
-    hint = "\n[localmap_fx] " + (f"mesh axes: {names}. " if names else "") + (
-        "Fix the body or the placements so that each value's SPMD type is "
-        "what the region declares: add the missing collective (or "
-        "spmd_types' reinterpret/convert), or change out_placements / "
-        "in_grad_placements; see docs/user-guide.md, \"What the SPMD checker "
-        "proves\"."
-    )
-    if spmd is not None and isinstance(e, spmd.SpmdTypeError) and e.context:
-        e.context = e.context + hint
-    elif e.args and isinstance(e.args[0], str):
-        e.args = (e.args[0] + hint,) + tuple(e.args[1:])
+    is_type_error = (spmd is not None and isinstance(e, spmd.SpmdTypeError)) or str(e).startswith(_TYPE_MISMATCH)
+    if is_type_error:
+        names = _axis_names(mesh) if mesh is not None else ""
+        e.add_note(
+            "[localmap_fx] " + (f"mesh axes: {names}. " if names else "")
+            + "Fix the body or the placements so that each value's SPMD type is "
+            "what the region declares: add the missing collective (or "
+            "spmd_types' reinterpret/convert), or change out_placements / "
+            "in_grad_placements; see docs/user-guide.md, \"What the SPMD checker "
+            "proves\"."
+        )
     else:
-        e.add_note(hint.strip())
+        hint = next((h for start, h in _OTHER_HINTS.items() if str(e).startswith(start)), None)
+        if hint is not None:
+            e.add_note(f"[localmap_fx] {hint}")
     try:
         e._localmap_fx_explained = True  # type: ignore[attr-defined]
     except AttributeError:  # pragma: no cover - exotic exception types
