@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import localmap_fx
 from localmap_fx.testing.graphs import Recorder
+from localmap_fx.testing.models import tp_block
 
 from helpers import WORLD_SIZE, mesh_1d
 
@@ -133,13 +134,7 @@ def test_local_map_built_in_forward_numerics():
 
 # --- regions inside nested subgraphs ----------------------------------------------
 
-_COL = localmap_fx.local_map(
-    _col,
-    out_placements=[Shard(1)],
-    in_placements=([Replicate()], [Shard(1)]),
-    in_grad_placements=([Partial()], [Shard(1)]),
-)
-_ROW = localmap_fx.local_map(lambda h, w: h @ w, out_placements=[Partial()], in_placements=([Shard(1)], [Shard(0)]))
+_COL, _ROW = tp_block(None)
 
 
 def _block(x, w1, w2):

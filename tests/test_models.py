@@ -34,6 +34,8 @@ import torch
 
 from localmap_fx.testing.dist import run_ranks
 
+from helpers import ensure_fake_pg, grads_eager_outline_inline, mesh_1d, relative_errors
+
 MODELS = ("llama", "moe")
 FP32_TOL = 1e-5  # |diff| <= FP32_TOL * (1 + max |reference|)
 INDUCTOR_RTOL = 1e-5
@@ -247,7 +249,7 @@ def _compiled_ranks(rank, world_size, device, dump_root):
 
 def _shared_norm_minimal(device, world_size):
     """One RMSNorm region called twice with a residual; relative error of each gradient."""
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     import localmap_fx
 
@@ -257,18 +259,7 @@ def _shared_norm_minimal(device, world_size):
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(8, 16, generator=g), 1 + torch.randn(16, generator=g) / 10, 1 + torch.randn(16, generator=g) / 10]
     pls = [[Shard(0)], [Replicate()], [Replicate()]]
-    grads = {}
-    for mode in ("eager", "outline", "inline"):
-        torch._dynamo.reset()
-        fn = step
-        if mode != "eager":
-            be = localmap_fx.backend("inductor", outline=mode == "outline", share_layers=False)
-            fn = torch.compile(step, backend=be, fullgraph=True)
-        args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, pls)]
-        fn(*args).backward()
-        grads[mode] = [a.grad.full_tensor() for a in args]
-    e = grads["eager"]
-    return {m: [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads[m], e)] for m in ("outline", "inline")}
+    return relative_errors(grads_eager_outline_inline(step, full, pls, mesh))
 
 
 def _outlined_inductor_minimal(device, world_size):
@@ -524,13 +515,13 @@ def test_dynamic_sequence_length(compiled, which, mode, inner, n_graphs):
 
 
 @pytest.mark.parametrize("where", ["argument", "output"])
-def test_symint_region_argument_or_output(mesh1d, where):
+def test_symint_region_argument_or_output(where):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import localmap_fx
 
-    scale = localmap_fx.local_map(lambda x, n: x * n, [Shard(0)], ([Shard(0)], None), device_mesh=mesh1d)
-    rows = localmap_fx.local_map(lambda x: (x * 2, x.shape[0]), ([Shard(0)], None), ([Shard(0)],), device_mesh=mesh1d)
+    scale = localmap_fx.local_map(lambda x, n: x * n, [Shard(0)], ([Shard(0)], None), device_mesh=mesh_1d())
+    rows = localmap_fx.local_map(lambda x: (x * 2, x.shape[0]), ([Shard(0)], None), ([Shard(0)],), device_mesh=mesh_1d())
 
     def fn(x):
         if where == "argument":
@@ -540,21 +531,21 @@ def test_symint_region_argument_or_output(mesh1d, where):
 
     compiled = torch.compile(fn, backend=localmap_fx.backend("aot_eager"), fullgraph=True)
     for rows_ in (8, 12):
-        x = distribute_tensor(torch.randn(rows_, 4), mesh1d, [Shard(0)])
+        x = distribute_tensor(torch.randn(rows_, 4), mesh_1d(), [Shard(0)])
         torch._dynamo.mark_dynamic(x, 0)
         got, want = compiled(x), fn(x)
         assert got.placements == want.placements and got.shape == want.shape
         assert torch.equal(got.to_local(), want.to_local())
 
 
-def test_symint_argument_with_a_placement_is_a_clear_error(mesh1d):
+def test_symint_argument_with_a_placement_is_a_clear_error():
     """A symbolic size given a placement fails like the same int does in eager, naming the argument."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import localmap_fx
 
-    scale = localmap_fx.local_map(lambda x, n: x * n, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh1d)
-    x = distribute_tensor(torch.randn(8, 4), mesh1d, [Shard(0)])
+    scale = localmap_fx.local_map(lambda x, n: x * n, [Shard(0)], ([Shard(0)], [Shard(0)]), device_mesh=mesh_1d())
+    x = distribute_tensor(torch.randn(8, 4), mesh_1d(), [Shard(0)])
     with pytest.raises(AssertionError, match=r"Non-Tensor input 8 expects None placements") as eager:
         scale(x, x.shape[0])
     assert "in_placements[1]" in str(eager.value)
@@ -568,22 +559,22 @@ def test_symint_argument_with_a_placement_is_a_clear_error(mesh1d):
 # --- bad configurations fail at construction, naming the fix ------------------------
 
 
-def test_wrong_mesh_names_are_a_clear_error(mesh1d):
+def test_wrong_mesh_names_are_a_clear_error():
     from localmap_fx.testing.moe import MoE, MoEConfig
 
     with pytest.raises(ValueError, match=r"mesh_dim_names \('ep',\) or \('dp', 'ep'\), got \('tp',\)"):
-        MoE(MoEConfig(), mesh1d)
+        MoE(MoEConfig(), mesh_1d())
 
 
-def test_config_that_does_not_fit_the_mesh(mesh1d):
+def test_config_that_does_not_fit_the_mesh():
     from localmap_fx.testing.llama import Llama, LlamaConfig
 
     # tp = 4 does not divide 2 kv heads
     with pytest.raises(ValueError, match="n_kv_heads=2 is not a multiple of the tp size 4"):
-        Llama(LlamaConfig(), mesh1d)
+        Llama(LlamaConfig(), mesh_1d())
 
 
-def test_dynamic_shapes_keep_region_bodies_inline(fake_pg):
+def test_dynamic_shapes_keep_region_bodies_inline():
     """Two MoE layers with a symbolic sequence length: the layers' bodies read
     the same shape-symbol arithmetic, so outline_regions keeps them inline
     (with the reason) instead of outlining one owner of it."""
@@ -593,6 +584,7 @@ def test_dynamic_shapes_keep_region_bodies_inline(fake_pg):
     from localmap_fx.testing.graphs import Recorder
     from localmap_fx.testing.moe import MoE, MoEConfig
 
+    ensure_fake_pg()
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
     m = MoE(MoEConfig(n_layers=2), mesh)
     rec = Recorder("aot_eager", share_layers=False)  # outline_regions runs

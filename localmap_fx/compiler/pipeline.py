@@ -11,7 +11,10 @@
                          placements, compile-time SPMD check (lowering/, spmd/)
     fuse_boundaries      drop from_local -> to_local pairs between regions (if on)
     plan_layers          find repeated layers; layer_sharing_decision says whether
-                         to split (share_layers True/"auto")
+                         to split (share_layers True/"auto"; under inductor "auto"
+                         weighs the run-time price of pieces, layer_cost)
+    plain_borders        a Replicate DTensor crossing a layer border travels as
+                         its region's local tensor (when the plan shares)
     split_layers         one piece per layer, pieces with one key compiled once
     inner compiler       inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
@@ -71,6 +74,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("lower_boundaries", "explicit boundaries, redistribute plans, grad placements", "always"),
     Stage("fuse_boundaries", "from_local -> to_local pairs between regions dropped", "fuse_boundaries=True"),
     Stage("plan_layers", "repeated layers found; split or keep whole", "share_layers True or 'auto'"),
+    Stage("plain_borders", "a Replicate DTensor crosses layer borders as a local tensor", "the plan shares"),
     Stage("split_layers", "one piece per layer; one compile per layer key", "the plan shares"),
     Stage("inner", "the inner compiler, per piece or whole", "always"),
 )
