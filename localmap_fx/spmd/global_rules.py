@@ -14,7 +14,7 @@ Whole-dimension ops
 Collectives
     :func:`collective_of` maps a functional collective (the
     ``_c10d_functional`` ops that ``torch.distributed._functional_collectives``
-    calls, as in :mod:`localmap_fx.spmd_rules`) or an spmd_types collective
+    calls, as in :mod:`localmap_fx.spmd.rules`) or an spmd_types collective
     to a :class:`CollectiveCall`: which reduction, which tensor dimension,
     which group.  The global check decides on its operand's state.
 """

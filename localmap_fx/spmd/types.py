@@ -401,7 +401,7 @@ class _CheckingWithEntry:
     def __init__(self, entry: tuple) -> None:
         self.entry = entry
         self.tc: Any = None  # spmd_types' checker, entered in __enter__
-        self.rules: Any = None  # our functional-collective rules (spmd_rules)
+        self.rules: Any = None  # our functional-collective rules (spmd.rules)
 
     def __enter__(self):
         from spmd_types._checker import typecheck
