@@ -87,6 +87,11 @@ def _tuple_or_none(spec: Any) -> Any:
     return spec
 
 
+def definition_site(code: Any) -> str:
+    """``file:first line`` of a code object: where a region's function is defined."""
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
 def spec_annotation(
     *,
     func: Any,
@@ -110,7 +115,7 @@ def spec_annotation(
         name, site = identity
     else:
         code = getattr(func, "__code__", None)
-        site = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else "<unknown>"
+        site = definition_site(code) if code is not None else "<unknown>"
         name = getattr(func, "__qualname__", type(func).__name__)
 
     def norm(specs: Any) -> Any:

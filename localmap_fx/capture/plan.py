@@ -56,7 +56,7 @@ import torch
 from .. import argtree, validate
 from ..errors import compile_time
 from ..graph_utils import node_value
-from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT, definition_site
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from . import handoff
 from .handoff import local_vt, realized
@@ -176,9 +176,7 @@ def callable_identity(vt) -> tuple[str, str]:
             code = get_code()
         except Exception:  # noqa: BLE001 - no code to name it by
             code = None
-    if code is not None:
-        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
-    if type(vt).__name__ == "GetAttrVariable":
+    if code is None and type(vt).__name__ == "GetAttrVariable":
         # e.g. super().__call__: an attribute of something Dynamo keeps symbolic
         owner = getattr(vt.obj, "objvar", None) or vt.obj
         try:
@@ -186,16 +184,18 @@ def callable_identity(vt) -> tuple[str, str]:
         except Exception:  # noqa: BLE001 - an owner without a known type
             owner_name = type(owner).__name__
         return f"{owner_name}.{vt.name}", "<unknown>"
-    try:
-        obj = vt.as_python_constant()
-    except Exception:  # noqa: BLE001 - not a constant: its wrapped value, if any
-        obj = getattr(vt, "value", None) or getattr(vt, "fn", None)
-    if obj is None:
-        return type(vt).__name__, "<unknown>"
-    code = getattr(obj, "__code__", None)
-    if code is not None:
-        return code.co_qualname, f"{code.co_filename}:{code.co_firstlineno}"
-    return type(obj).__name__, "<unknown>"
+    obj = None
+    if code is None:
+        try:
+            obj = vt.as_python_constant()
+        except Exception:  # noqa: BLE001 - not a constant: its wrapped value, if any
+            obj = getattr(vt, "value", None) or getattr(vt, "fn", None)
+        if obj is None:
+            return type(vt).__name__, "<unknown>"
+        code = getattr(obj, "__code__", None)
+    if code is None:
+        return type(obj).__name__, "<unknown>"
+    return code.co_qualname, definition_site(code)
 
 
 def plan_call(ctx) -> None:
