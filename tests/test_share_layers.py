@@ -394,11 +394,11 @@ def test_dump_and_cli_show_which_layers_share_a_piece(tmp_path):
     assert section == """\
 Layers with one key run one compiled piece (compiled once).
 
-| piece | layers | calls | key | nodes | not shared because |
-|---|---|---|---|---|---|
-| piece_0 | - | 1 | - | 4 | prefix / tail |
-| piece_1 | 0, 1, 2 | 3 | KEY | 3 | - |
-| piece_4 | - | 1 | - | 3 | prefix / tail |"""
+| piece | layers | calls | key | nodes | not shared because | runs as |
+|---|---|---|---|---|---|---|
+| piece_0 | - | 1 | - | 4 | prefix / tail | aot |
+| piece_1 | 0, 1, 2 | 3 | KEY | 3 | - | layer in run_0 |
+| piece_4 | - | 1 | - | 3 | prefix / tail | aot |"""
     # prefix: to_local of x and of the 3 weights (Note: [Weights enter as
     # local tensors]); layer: x @ w, tanh, + x (bodies inline, boundaries
     # fused); tail: from_local, x * x, sum

@@ -3,6 +3,11 @@
 :data:`INNER` is the table; :func:`inner_compiler` returns the compile
 function for a :class:`BackendOptions`.  Every AOT-based entry reports its
 forward and backward graphs through ``opts.on_aot_graph``.
+
+``compile_one(gm, example_inputs, keep=list)`` also appends
+``(kind, graph, compiled)`` for the forward and the backward AOT graph to
+``keep`` and compiles the backward at once (not at the first backward
+call): :mod:`localmap_fx.compiler.layer_runtime` calls them directly.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ from .options import INNER_COMPILERS, BackendOptions
 
 __all__ = ["INNER", "CompileOne", "inner_compiler"]
 
-# compile_one(gm, example_inputs) -> a callable running gm
-CompileOne = Callable[[fx.GraphModule, list[Any]], Callable]
 OnOutput = Callable[[str, Any], None] | None
+Kept = list[tuple[str, fx.GraphModule, Callable]] | None
+# compile_one(gm, example_inputs, keep=None) -> a callable running gm
+CompileOne = Callable[[fx.GraphModule, list[Any], Kept], Callable]
 
 
-def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput):
+def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
+           keep: Kept = None):
     return gm.forward
 
 
-def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput):
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
+               keep: Kept = None):
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -33,16 +41,21 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
         def compile_graph(g: fx.GraphModule, _inputs):
             if opts.on_aot_graph is not None:
                 opts.on_aot_graph(kind, g)
-            return make_boxed_func(g.forward)
+            compiled = make_boxed_func(g.forward)
+            if keep is not None:
+                keep.append((kind, g, compiled))
+            return compiled
 
         return compile_graph
 
-    return aot_module_simplified(
-        gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward")
-    )
+    with _backward_now(keep):
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward")
+        )
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput):
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
+              keep: Kept = None):
     import torch
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -59,15 +72,31 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         compiled = compile_fx_inner(g, inputs, **kwargs)
         if on_output is not None:
             on_output(kind, compiled)
+        if keep is not None:
+            keep.append((kind, g, compiled))
         return compiled
 
-    if not any(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
     # AOTAutograd's cache is keyed on this graph, not on inner_compile: a hit could
-    # serve an artifact compiled without hoist_subgraph_views.  Inductor's own
-    # cache stays on (it keys on the graph after the pass).
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    # serve an artifact compiled without hoist_subgraph_views, and it never calls
+    # inner_compile, so nothing would be kept.  Inductor's own cache stays on (it
+    # keys on the graph after the pass).
+    no_aot_cache = keep is not None or any(
+        gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+    with _backward_now(keep), torch._functorch.config.patch(
+            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _backward_now(keep: Kept):
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
+    if keep is None:
+        return contextlib.nullcontext()
+    # AOTAutograd compiles a backward lazily, at its first call; a kept one is
+    # called directly, so it must exist when compile_one returns.
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 INNER: dict[str, Callable[..., Callable]] = {
@@ -83,7 +112,7 @@ def inner_compiler(opts: BackendOptions, on_output: OnOutput = None) -> CompileO
     """``compile_one(gm, example_inputs)`` for ``opts.inner``."""
     compile_fn = INNER[opts.inner]
 
-    def compile_one(gm: fx.GraphModule, example_inputs: list[Any]):
-        return compile_fn(gm, example_inputs, opts, on_output)
+    def compile_one(gm: fx.GraphModule, example_inputs: list[Any], keep: Kept = None):
+        return compile_fn(gm, example_inputs, opts, on_output, keep)
 
     return compile_one

@@ -28,6 +28,8 @@ import torch.fx as fx
 
 from ..graph_utils import node_value
 from ..passes.share_layers import META_PIECE, pieces_of
+from .inner import CompileOne
+from .layer_runtime import CompiledLayer, chain_layer_runs, compiled_layer, find_layer_runs
 
 __all__ = ["PieceReport", "compile_pieces"]
 
@@ -42,6 +44,8 @@ class PieceReport:
     key_digest: str
     reason: str | None
     n_nodes: int
+    # "layer" (a CompiledLayer), or why AOTAutograd's runtime wrappers run it
+    runtime: str = "aot"
 
     def row(self) -> tuple:
         return (self.name, "-" if self.layer is None else str(self.layer), self.compiled_as,
@@ -49,13 +53,21 @@ class PieceReport:
 
 
 class _CompiledPiece(torch.nn.Module):
-    def __init__(self, fn: Callable, name: str) -> None:
+    def __init__(self, fn: Callable, name: str, runtime: str) -> None:
         super().__init__()
         self.fn = fn
         self.compiled_as = name
+        self.runtime = runtime
 
     def forward(self, *args: Any) -> Any:
         return self.fn(*args)
+
+
+def _layer_of(outer: fx.GraphModule, call: fx.Node) -> CompiledLayer:
+    fn = getattr(outer.get_submodule(str(call.target)), "fn", None)
+    if not isinstance(fn, CompiledLayer):
+        raise AssertionError(f"{call.target} does not run as a CompiledLayer")
+    return fn
 
 
 def _fake_mode(example_inputs: Sequence[Any]):
@@ -66,7 +78,7 @@ def _fake_mode(example_inputs: Sequence[Any]):
 
 def compile_pieces(
     outer: fx.GraphModule,
-    compile_one: Callable[[fx.GraphModule, list[Any]], Callable],
+    compile_one: CompileOne,
 ) -> tuple[fx.GraphModule, list[PieceReport]]:
     """Replace every piece of ``outer`` by its compiled callable (shared per key)."""
     from torch._guards import TracingContext, tracing
@@ -84,20 +96,37 @@ def compile_pieces(
         if compiled is None:
             example = [node_value(a) for a in call.args]
             fake_mode = _fake_mode(example)
-            if fake_mode is not None:
-                with tracing(TracingContext(fake_mode)):
-                    fn = compile_one(sub, example)
+            keep: list | None = [] if key is not None else None
+            context = TracingContext(fake_mode) if fake_mode is not None else None
+            if context is not None:
+                with tracing(context):
+                    fn = compile_one(sub, example, keep)
             else:
-                fn = compile_one(sub, example)
-            compiled = _CompiledPiece(fn, target)
+                fn = compile_one(sub, example, keep)
+            runtime = "aot"
+            if keep is not None:
+                # Note: [What a CompiledLayer relies on]
+                layer = compiled_layer(keep, context.fw_metadata if context is not None else None)
+                if isinstance(layer, CompiledLayer):
+                    fn, runtime = layer, "layer"
+                else:
+                    runtime = f"aot: {layer}"
+            compiled = _CompiledPiece(fn, target, runtime)
             if key is not None:
                 by_key[key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))
         setattr(outer, target, compiled)
         reports.append(PieceReport(
             target, meta["layer"], compiled.compiled_as,
-            _digest(key) if key is not None else "-", meta["reason"], n_nodes,
+            _digest(key) if key is not None else "-", meta["reason"], n_nodes, compiled.runtime,
         ))
-    # No recompile: the graph is unchanged, and its code looks each piece up
-    # as ``self.piece_<i>`` when it runs, so it calls the compiled ones.
+    # The graph is unchanged so far, and its code looks each piece up as
+    # ``self.piece_<i>`` when it runs, so it calls the compiled ones.
+    # Note: [A run of layers]
+    runs = find_layer_runs(outer, lambda n: getattr(outer.get_submodule(str(n.target)), "runtime", "") == "layer")
+    if runs:
+        run_of = {str(c.target): f"run_{r}" for r, calls in enumerate(runs) for c in calls}
+        outer = chain_layer_runs(outer, runs, lambda n: _layer_of(outer, n))
+        reports = [dataclasses.replace(rep, runtime=f"layer in {run_of[rep.name]}") if rep.name in run_of else rep
+                   for rep in reports]
     return outer, reports

@@ -212,7 +212,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
         inspector.lowered(gm)
     compile_one = inner_compiler(opts, inspector.on_inner_output if inspector is not None else None)
     if opts.share_layers is False:
-        return compile_one(gm, list(example_inputs))
+        return compile_one(gm, list(example_inputs), None)
     try:
         plan = find_layer_spans(gm)
     except KeyError as e:
@@ -231,7 +231,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     if why_whole is not None:
         if inspector is not None:
             inspector.pieces(plan, None, why_whole)
-        return compile_one(gm, list(example_inputs))
+        return compile_one(gm, list(example_inputs), None)
     outer = split_layers(gm, plan)
     if opts.on_stage is not None:
         opts.on_stage("split_layers", outer)

@@ -134,9 +134,9 @@ def summary_markdown(summary: dict) -> str:
         if pieces.get("rows"):
             lines.append("")
             lines += _md_table(
-                ["piece", "layers", "calls", "key", "nodes", "not shared because"],
+                ["piece", "layers", "calls", "key", "nodes", "not shared because", "runs as"],
                 [[r["piece"], ", ".join(str(i) for i in r["layers"]) or "-", r.get("calls", "-"), r["key"],
-                  r["nodes"], r.get("inline")] for r in pieces["rows"]],
+                  r["nodes"], r.get("inline"), r.get("runtime", "-")] for r in pieces["rows"]],
             )
     lines += ["", "## Collectives", ""]
     all_rows = [c for p in ("forward", "backward") for c in (colls.get(p) or [])]

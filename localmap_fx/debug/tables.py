@@ -332,7 +332,8 @@ def piece_rows(plan, reports, why_whole: str | None) -> dict:
     groups: dict[str, dict] = {}
     for r in reports:
         g = groups.setdefault(r.compiled_as, {"piece": r.compiled_as, "layers": [], "calls": 0,
-                                              "key": r.key_digest, "nodes": r.n_nodes, "inline": None})
+                                              "key": r.key_digest, "nodes": r.n_nodes, "inline": None,
+                                              "runtime": r.runtime})
         g["calls"] += 1
         if r.layer is not None:
             g["layers"].append(r.layer)

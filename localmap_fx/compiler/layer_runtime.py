@@ -1,0 +1,371 @@
+"""Run a shared layer as its compiled forward and backward, nothing else.
+
+A shared piece (:mod:`localmap_fx.compiler.pieces`) is compiled once per
+layer key and called once per layer.  Through AOTAutograd's runtime every
+call pays for its wrappers: subclass flattening, alias and mutation
+bookkeeping, RNG and effect-token handling, tangent checks -- about 0.1-0.4
+ms of Python per layer per step on a CPU, where one whole-model graph pays
+it once.  A layer piece needs none of it: plain border tensors in, plain
+tensors out (Note: [A DTensor at a layer border costs a collective] in
+:mod:`localmap_fx.passes.share_layers`), no mutation, no alias.  So when
+AOTAutograd's own metadata says so, the piece runs as a
+:class:`CompiledLayer`: one lean ``autograd.Function`` that calls the
+compiled forward, saves what the backward graph reads, and calls the
+compiled backward::
+
+    AOTAutograd runtime (per layer)             CompiledLayer (per layer)
+    -------------------------------             -------------------------
+    RuntimeWrapper -> EffectTokens ->           _LayerFunction.apply
+    FunctionalizedRng -> AOTDispatchSubclass      forward: outs, saved = fw(args)
+    -> CompiledFunction.apply(fw)                 backward: grads = bw(saved, tangents)
+    -> alias / mutation epilogue
+
+Anything else (a piece AOTAutograd had to give a mutation epilogue, an
+aliased output, tokens, symbolic sizes saved for backward, subclass
+outputs) keeps AOTAutograd's runtime: :func:`compiled_layer` returns the
+reason instead of a layer, and the dump shows it.
+
+Note: [What a CompiledLayer relies on]
+    AOTAutograd's partitioned graphs have a fixed calling convention:
+    ``fw(*primals) -> (*outputs, *saved)`` and
+    ``bw(*saved, *tangents) -> (grad per primal)``; the backward's
+    placeholders are the saved values then one ``tangents_<i>`` per
+    differentiable output.  :func:`compiled_layer` reads the split from
+    the backward graph and refuses a piece unless every output is a fresh
+    tensor that gets a tangent, and no input is written.  Tangents are
+    given the strides the backward was traced with (AOTAutograd does the
+    same), so a non-contiguous incoming gradient is still valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["CompiledLayer", "compiled_layer", "LayerRun", "RunStep", "find_layer_runs", "chain_layer_runs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledLayer:
+    """One distinct layer's compiled forward and backward (boxed callables)."""
+
+    forward: Callable[[list], Any]
+    backward: Callable[[list], Any]
+    n_outputs: int
+    n_saved: int
+    # per tangent: the (size, stride) the backward graph was traced with, and dtype / device
+    tangent_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    tangent_types: tuple[tuple[torch.dtype, torch.device], ...]
+
+    def __call__(self, *args: Any) -> tuple:
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return _LayerFunction.apply(self, *args)
+        return tuple(self.forward(list(args))[: self.n_outputs])
+
+
+class _LayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer: CompiledLayer, *args: Any):
+        flat = layer.forward(list(args))
+        outs = tuple(flat[: layer.n_outputs])
+        saved = flat[layer.n_outputs:]
+        ctx.layer = layer
+        ctx.n_args = len(args)
+        ctx.save_for_backward(*saved)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        layer: CompiledLayer = ctx.layer
+        tangents = [_as_traced(g, layout) for g, layout in zip(grads, layer.tangent_layouts)]
+        saved = list(ctx.saved_tensors)
+        out = layer.backward(saved + tangents)
+        return (None, *out)
+
+
+def _as_traced(grad: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+    size, stride = layout
+    if tuple(grad.stride()) == stride or grad.numel() <= 1:
+        return grad
+    out = torch.empty_strided(size, stride, dtype=grad.dtype, device=grad.device)
+    out.copy_(grad)
+    return out
+
+
+def _static(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_metadata: Any) -> CompiledLayer | str:
+    """The :class:`CompiledLayer` of one AOT-compiled piece, or why it needs AOTAutograd's runtime.
+
+    ``kept`` is what ``compile_one(..., keep=...)`` recorded (forward and
+    backward graph with their compiled callables), ``fw_metadata``
+    AOTAutograd's ``ViewAndMutationMeta`` for the piece.
+    """
+    from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
+
+    graphs = {kind: (g, c) for kind, g, c in kept}
+    if "forward" not in graphs or "backward" not in graphs:
+        return "AOTAutograd compiled no backward for it (no input requires grad)"
+    if fw_metadata is None:
+        return "no AOTAutograd metadata"
+    md = fw_metadata
+    if any(i.mutates_data or i.mutates_metadata or i.mutates_storage_metadata for i in md.input_info):
+        return "it writes to an input"
+    if any(o.output_type != OutputType.non_alias for o in md.output_info) or md.num_intermediate_bases:
+        return "an output aliases an input or another output"
+    if md.tokens or md.num_backward_tokens or md.num_graphsafe_rng_states:
+        return "it has effect tokens or RNG state"
+    if md.num_symints_saved_for_bw or md.num_opaque_objects_saved_for_bw:
+        return "it saves sizes or objects for backward"
+    if not all(isinstance(m, PlainTensorMeta) for m in md.subclass_fw_graph_out_meta):
+        return "an output is a tensor subclass"
+    if getattr(md, "is_rng_op_functionalized", False):
+        return "its RNG is functionalized"
+    fw_gm, fw = graphs["forward"]
+    bw_gm, bw = graphs["backward"]
+    bw_inputs = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+    tangents = [n for n in bw_inputs if n.name.startswith("tangents")]
+    n_saved = len(bw_inputs) - len(tangents)
+    fw_out = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output").args[0]
+    n_outputs = len(fw_out) - n_saved
+    if n_outputs != len(md.output_info) or len(tangents) != n_outputs:
+        return f"{n_outputs} outputs, {len(tangents)} of them with a tangent"
+    layouts, types = [], []
+    for t in tangents:
+        val = t.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not _static(val.shape) or not _static(val.stride()):
+            return "a tangent has a symbolic size"
+        layouts.append((tuple(val.shape), tuple(val.stride())))
+        types.append((val.dtype, val.device))
+    return CompiledLayer(fw, bw, n_outputs, n_saved, tuple(layouts), tuple(types))
+
+
+# --- runs of layers: one autograd node for many layers -------------------------
+
+# Where a step's argument comes from: ("in", i) is the run's input i,
+# ("out", j, k) output k of step j.
+Source = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStep:
+    """One layer of a run: its compiled layer and where each argument comes from."""
+
+    piece: str
+    layer: CompiledLayer = dataclasses.field(compare=False, repr=False)
+    args: tuple[Source, ...]
+
+    def text(self) -> str:
+        def src(s: Source) -> str:
+            return f"in{s[1]}" if s[0] == "in" else f"{s[1]}.{s[2]}"
+
+        return f"{self.piece}({', '.join(src(a) for a in self.args)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Consecutive layer calls run as one ``autograd.Function`` (Note: [A run of layers]).
+
+    ``outputs`` are the step outputs used after the run, in order.
+    """
+
+    steps: tuple[RunStep, ...]
+    n_inputs: int
+    outputs: tuple[tuple[int, int], ...]
+
+    def text(self) -> str:
+        body = "; ".join(f"{j}: {s.text()}" for j, s in enumerate(self.steps))
+        outs = ", ".join(f"{j}.{k}" for j, k in self.outputs)
+        return f"run of {len(self.steps)} layers [{body}] -> ({outs})"
+
+    def __call__(self, *inputs: Any) -> tuple:
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs):
+            return _RunFunction.apply(self, *inputs)
+        outs, _ = _run_forward(self, inputs, keep_saved=False)
+        return tuple(outs[j][k] for j, k in self.outputs)
+
+
+def _run_forward(run: LayerRun, inputs: Sequence[Any], keep_saved: bool):
+    outs: list[tuple] = []
+    saved: list[list] = []
+    for step in run.steps:
+        args = [inputs[s[1]] if s[0] == "in" else outs[s[1]][s[2]] for s in step.args]
+        flat = step.layer.forward(args)
+        n = step.layer.n_outputs
+        outs.append(tuple(flat[:n]))
+        saved.append(list(flat[n:]) if keep_saved else [])
+    return outs, saved
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+class _RunFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: LayerRun, *inputs: Any):
+        outs, saved = _run_forward(run, inputs, keep_saved=True)
+        results = tuple(outs[j][k] for j, k in run.outputs)
+        # Saved values stay in a plain list so that each layer's are freed as
+        # soon as its backward ran; a saved value that is also a result goes
+        # through save_for_backward (a result held by ctx would be a cycle).
+        by_id = {id(r): i for i, r in enumerate(results)}
+        kept = sorted({by_id[id(t)] for step_saved in saved for t in step_saved if id(t) in by_id})
+        ctx.save_for_backward(*(results[i] for i in kept))
+        ctx.result_slots = {i: n for n, i in enumerate(kept)}
+        ctx.saved = [[("result", by_id[id(t)]) if id(t) in by_id else t for t in step_saved]
+                     for step_saved in saved]
+        ctx.run = run
+        ctx.set_materialize_grads(False)
+        return results
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        run: LayerRun = ctx.run
+        saved_results = ctx.saved_tensors
+        saved, ctx.saved = ctx.saved, None
+        in_grads: list[torch.Tensor | None] = [None] * run.n_inputs
+        out_grads: list[list[torch.Tensor | None]] = [[None] * s.layer.n_outputs for s in run.steps]
+        for (j, k), g in zip(run.outputs, grads):
+            out_grads[j][k] = _add(out_grads[j][k], g)
+        for j in reversed(range(len(run.steps))):
+            step = run.steps[j]
+            layer = step.layer
+            if all(g is None for g in out_grads[j]):
+                # not on the way to anything differentiated: autograd would not
+                # run this layer's backward either
+                saved[j] = []
+                continue
+            tangents = [
+                torch.empty_strided(size, stride, dtype=dtype, device=device).zero_() if g is None
+                else _as_traced(g, (size, stride))
+                for g, (size, stride), (dtype, device) in zip(out_grads[j], layer.tangent_layouts,
+                                                              layer.tangent_types)
+            ]
+            step_saved = [saved_results[ctx.result_slots[t[1]]] if isinstance(t, tuple) else t
+                          for t in saved[j]]
+            saved[j] = []
+            out_grads[j] = []
+            arg_grads = layer.backward(step_saved + tangents)
+            for src, g in zip(step.args, arg_grads):
+                if g is None:
+                    continue
+                if src[0] == "in":
+                    in_grads[src[1]] = _add(in_grads[src[1]], g)
+                else:
+                    out_grads[src[1]][src[2]] = _add(out_grads[src[1]][src[2]], g)
+        return (None, *in_grads)
+
+
+# Note: [A run of layers]
+#     Each layer as its own autograd.Function still costs an autograd node,
+#     a ctx and a Python backward per layer per step (~15 us on a CPU).
+#     Consecutive layer calls whose arguments come from before the run or
+#     from earlier layers of it are one LayerRun: one node; its forward
+#     calls the compiled forwards in order, its backward the compiled
+#     backwards in reverse, summing gradients of values several layers read.
+
+
+def find_layer_runs(outer: fx.GraphModule, is_layer: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
+    """Maximal runs (two or more) of consecutive piece calls that ``is_layer`` accepts.
+
+    Only ``getitem`` nodes of a run's calls may sit between them.
+    """
+    import operator
+
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for n in outer.graph.nodes:
+        if n.op == "call_module" and is_layer(n):
+            current.append(n)
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and current and n.args[0] in current:
+            continue
+        if len(current) >= 2:
+            runs.append(current)
+        current = []
+    if len(current) >= 2:
+        runs.append(current)
+    return runs
+
+
+def chain_layer_runs(outer: fx.GraphModule, runs: Sequence[Sequence[fx.Node]],
+                     layer_of: Callable[[fx.Node], CompiledLayer]) -> fx.GraphModule:
+    """Replace each run of layer calls by one call to a :class:`LayerRun` (``run_<i>``).
+
+    before::
+
+        (a,) = piece_1(x, mesh, w0)            # CompiledLayer K
+        (b,) = piece_2(a, mesh, w1)            # CompiledLayer K
+        loss = tail(b)
+
+    after::
+
+        (b,) = run_0(x, mesh, w0, w1)          # LayerRun: piece_1, piece_2
+        loss = tail(b)
+    """
+    import operator
+
+    for r, calls in enumerate(runs):
+        members = set(calls)
+        inputs: list[fx.Node] = []
+        index: dict[fx.Node, int] = {}
+        produced: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (step, output)
+        steps = []
+        for j, call in enumerate(calls):
+            srcs: list[Source] = []
+            for a in call.args:
+                if not isinstance(a, fx.Node):
+                    raise AssertionError(f"layer call {call.name} has a constant argument {a!r}")
+                if a in produced:
+                    srcs.append(("out", *produced[a]))
+                else:
+                    if a not in index:
+                        index[a] = len(inputs)
+                        inputs.append(a)
+                    srcs.append(("in", index[a]))
+            steps.append(RunStep(str(call.target), layer_of(call), tuple(srcs)))
+            for u in call.users:
+                if u.op != "call_function" or u.target is not operator.getitem:
+                    raise AssertionError(f"layer call {call.name} is used by {u.format_node()}")
+                k = u.args[1]
+                if not isinstance(k, int):
+                    raise AssertionError(f"layer call {call.name} is indexed by {k!r}")
+                produced[u] = (j, k)
+        leaving = [g for g in produced if any(u not in members and u not in produced for u in g.users)]
+        run = LayerRun(tuple(steps), len(inputs), tuple(produced[g] for g in leaving))
+        name = f"run_{r}"
+        outer.add_submodule(name, _RunModule(run))
+        with outer.graph.inserting_before(calls[0]):
+            new = outer.graph.call_module(name, tuple(inputs))
+            outs = []
+            for i, g in enumerate(leaving):
+                o = outer.graph.call_function(operator.getitem, (new, i))
+                o.meta = dict(g.meta)
+                outs.append(o)
+        for g, o in zip(leaving, outs):
+            g.replace_all_uses_with(o)
+        for call in reversed(calls):
+            for g in [u for u in call.users]:
+                outer.graph.erase_node(g)
+            outer.graph.erase_node(call)
+    outer.graph.lint()
+    outer.recompile()
+    return outer
+
+
+class _RunModule(torch.nn.Module):
+    def __init__(self, run: LayerRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def forward(self, *inputs: Any) -> tuple:
+        return self.run(*inputs)

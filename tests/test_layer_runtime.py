@@ -1,0 +1,295 @@
+"""Shared layers run as their compiled forward and backward (issue 21).
+
+:mod:`localmap_fx.compiler.layer_runtime`: a :class:`CompiledLayer` is
+built from what AOTAutograd compiled for a piece, or refused with a reason;
+consecutive layer calls become one :class:`LayerRun` (one autograd node).
+The run's gradient bookkeeping is checked on hand-written layers against
+eager autograd; the compiled path on a TP stack (fake process group) for
+structure, and on 2 gloo ranks in ``test_deep_models`` / ``test_share_layers``
+for numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+
+import localmap_fx
+from localmap_fx.compiler.layer_runtime import (
+    CompiledLayer,
+    LayerRun,
+    chain_layer_runs,
+    compiled_layer,
+    find_layer_runs,
+)
+
+from helpers import mesh_1d
+
+CPU = torch.device("cpu")
+
+
+def _scale_layer(n: int) -> CompiledLayer:
+    """y = tanh(x * w) written as AOTAutograd's partitioned pair would be."""
+
+    def fw(args):
+        x, w = args
+        args.clear()
+        y = torch.tanh(x * w)
+        return [y, x, w, y]
+
+    def bw(args):
+        x, w, y, g = args
+        args.clear()
+        gz = g * (1 - y * y)
+        return [gz * w, gz * x]
+
+    return CompiledLayer(fw, bw, 1, 3, (((n,), (1,)),), ((torch.float32, CPU),))
+
+
+def _split_layer(n: int) -> CompiledLayer:
+    """(a, b) = (x * w, x + w): two outputs, so a tangent can be missing."""
+
+    def fw(args):
+        x, w = args
+        return [x * w, x + w, x, w]
+
+    def bw(args):
+        x, w, ga, gb = args
+        return [ga * w + gb, ga * x + gb]
+
+    layout = ((n,), (1,))
+    return CompiledLayer(fw, bw, 2, 2, (layout, layout), ((torch.float32, CPU),) * 2)
+
+
+class _Piece(torch.nn.Module):
+    def __init__(self, fn, runtime="layer"):
+        super().__init__()
+        self.fn = fn
+        self.runtime = runtime
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _outer(layers, wiring):
+    """An outer graph like split_layers' (call_module + getitem) over ``layers``.
+
+    ``wiring[i]`` names piece i's inputs: "x", "w<i>", or "<j>.<k>" (output k of piece j).
+    """
+    g = fx.Graph()
+    root = torch.nn.Module()
+    env = {"x": g.placeholder("x")}
+    for i in range(len(layers)):
+        env[f"w{i}"] = g.placeholder(f"w{i}")
+    last = None
+    for i, (layer, ins) in enumerate(zip(layers, wiring)):
+        root.add_module(f"piece_{i}", _Piece(layer))
+        call = g.call_module(f"piece_{i}", tuple(env[s] for s in ins))
+        for k in range(layer.n_outputs):
+            env[f"{i}.{k}"] = last = g.call_function(operator.getitem, (call, k))
+    g.output((last, env["0.0"]))
+    return fx.GraphModule(root, g)
+
+
+def _eager_of(layers, wiring, x, ws):
+    env = {"x": x, **{f"w{i}": w for i, w in enumerate(ws)}}
+    last = None
+    for i, (layer, ins) in enumerate(zip(layers, wiring)):
+        outs = layer(*[env[s] for s in ins])  # one _LayerFunction per layer
+        for k, o in enumerate(outs):
+            env[f"{i}.{k}"] = last = o
+    return last, env["0.0"]
+
+
+def _plain_of(wiring, x, ws):
+    """The same math with torch's own autograd (no compiled layers at all)."""
+    env = {"x": x, **{f"w{i}": w for i, w in enumerate(ws)}}
+    last = None
+    for i, ins in enumerate(wiring):
+        a, b = (env[s] for s in ins)
+        outs = [torch.tanh(a * b)] if len(ins) == 2 and i % 2 == 0 else [a * b, a + b]
+        for k, o in enumerate(outs):
+            env[f"{i}.{k}"] = last = o
+    return last, env["0.0"]
+
+
+def _inputs(n_layers, n=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen).requires_grad_()
+    ws = [torch.randn(n, generator=gen).requires_grad_() for _ in range(n_layers)]
+    return x, ws
+
+
+# layers alternate: even = tanh(x * w) (one output), odd = (x * w, x + w);
+# piece 3 reads output 1 of piece 1 (skips piece 2), piece 2 output 0 of piece 1;
+# the graph returns the last output and piece 0's output (read after the run too)
+WIRING = [("x", "w0"), ("0.0", "w1"), ("1.0", "w2"), ("1.1", "w3"), ("3.0", "w4")]
+
+
+def _layers(n=5):
+    return [_scale_layer(n) if i % 2 == 0 else _split_layer(n) for i in range(len(WIRING))]
+
+
+def test_a_run_of_layers_gives_autograds_gradients():
+    outer = _outer(_layers(), WIRING)
+    runs = find_layer_runs(outer, lambda n: True)
+    assert [[c.target for c in r] for r in runs] == [[f"piece_{i}" for i in range(5)]]
+    chained = chain_layer_runs(outer, runs, lambda n: outer.get_submodule(str(n.target)).fn)
+    assert [n.target for n in chained.graph.nodes if n.op == "call_module"] == ["run_0"]
+    run: LayerRun = chained.get_submodule("run_0").run
+    assert run.text() == (
+        "run of 5 layers [0: piece_0(in0, in1); 1: piece_1(0.0, in2); 2: piece_2(1.0, in3); "
+        "3: piece_3(1.1, in4); 4: piece_4(3.0, in5)] -> (0.0, 4.0)")
+
+    results = {}
+    for how, fn in (("run", lambda x, ws: chained(x, *ws)),
+                    ("per_layer", lambda x, ws: _eager_of(_layers(), WIRING, x, ws)),
+                    ("autograd", lambda x, ws: _plain_of(WIRING, x, ws))):
+        x, ws = _inputs(5)
+        last, first = fn(x, ws)
+        # piece 3's output 1 is read by nobody (a zero tangent); piece 0's
+        # output is read inside the run and after it (gradients add up)
+        (last.sum() + 3 * first.sum()).backward()
+        results[how] = [last.detach(), first.detach(), x.grad, *(w.grad for w in ws)]
+    for a, b, c in zip(results["run"], results["per_layer"], results["autograd"]):
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, c)
+
+
+def test_a_missing_tangent_is_zeros_and_no_grad_runs_forward_only():
+    layers = [_split_layer(4), _split_layer(4)]
+    wiring = [("x", "w0"), ("0.0", "w1")]
+    outer = _outer(layers, wiring)
+    chained = chain_layer_runs(outer, find_layer_runs(outer, lambda n: True),
+                               lambda n: outer.get_submodule(str(n.target)).fn)
+    x, ws = _inputs(2, n=4)
+    last, first = chained(x, *ws)
+    last.sum().backward()  # piece 1's output 0 and piece 0's output 0 get no gradient from outside
+    x2, ws2 = _inputs(2, n=4)
+    a = x2 * ws2[0]
+    (a + ws2[1]).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(ws[0].grad, ws2[0].grad)
+    torch.testing.assert_close(ws[1].grad, ws2[1].grad)
+    with torch.no_grad():
+        out = chained(x, *ws)
+    assert not out[0].requires_grad and torch.equal(out[0], last.detach())
+
+
+def test_runs_stop_at_a_piece_that_is_not_a_layer():
+    outer = _outer(_layers(), WIRING)
+    runs = find_layer_runs(outer, lambda n: n.target != "piece_2")
+    assert [[c.target for c in r] for r in runs] == [["piece_0", "piece_1"], ["piece_3", "piece_4"]]
+    assert find_layer_runs(outer, lambda n: n.target == "piece_0") == []
+
+
+def test_tangents_get_the_traced_strides():
+    seen = []
+
+    def fw(args):
+        return [args[0] * 2]
+
+    def bw(args):
+        seen.append(args[0].stride())
+        return [args[0] * 2]
+
+    layer = CompiledLayer(fw, bw, 1, 0, (((2, 3), (3, 1)),), ((torch.float32, CPU),))
+    x = torch.randn(2, 3, requires_grad=True)
+    (y,) = layer(x)
+    y.backward(torch.randn(3, 2).t())  # a transposed (non-contiguous) gradient
+    assert seen == [(3, 1)]
+    torch.testing.assert_close(x.grad.stride(), (3, 1))
+
+
+class _Meta:
+    """The ViewAndMutationMeta fields compiled_layer reads, all benign."""
+
+    def __init__(self, **changes):
+        from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
+
+        inp = type("I", (), dict(mutates_data=False, mutates_metadata=False, mutates_storage_metadata=False))
+        out = type("O", (), dict(output_type=OutputType.non_alias))
+        self.input_info = [inp()]
+        self.output_info = [out()]
+        self.num_intermediate_bases = 0
+        self.tokens = {}
+        self.num_backward_tokens = 0
+        self.num_graphsafe_rng_states = 0
+        self.num_symints_saved_for_bw = 0
+        self.num_opaque_objects_saved_for_bw = 0
+        self.subclass_fw_graph_out_meta = [PlainTensorMeta(0)]
+        self.is_rng_op_functionalized = False
+        self.__dict__.update(changes)
+
+
+def _kept():
+    def fw_f(x):
+        return (x * 2, x)
+
+    def bw_f(x, tangents_1):
+        return (tangents_1 * 2,)
+
+    fw = fx.symbolic_trace(fw_f)
+    bw = fx.symbolic_trace(bw_f)
+    for n in bw.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = torch.empty(3)
+    return [("forward", fw, lambda a: fw_f(*a)), ("backward", bw, lambda a: bw_f(*a))]
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(input_info=[type("I", (), dict(mutates_data=True, mutates_metadata=False,
+                                         mutates_storage_metadata=False))()]), "writes to an input"),
+    (dict(num_intermediate_bases=1), "aliases"),
+    (dict(tokens={0: None}), "effect tokens"),
+    (dict(num_symints_saved_for_bw=1), "saves sizes"),
+    (dict(subclass_fw_graph_out_meta=[object()]), "tensor subclass"),
+    (dict(is_rng_op_functionalized=True), "RNG is functionalized"),
+])
+def test_compiled_layer_refuses_what_needs_aotautograds_runtime(changes, reason):
+    assert isinstance(compiled_layer(_kept(), _Meta()), CompiledLayer)
+    why = compiled_layer(_kept(), _Meta(**changes))
+    assert isinstance(why, str) and reason in why
+    assert "no backward" in compiled_layer(_kept()[:1], _Meta())
+
+
+def _pieces_summary(tmp_path, model, x, **opts):
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=localmap_fx.backend(dump_dir=str(tmp_path), **opts))
+    f(x).backward()
+    (frame,) = os.listdir(tmp_path)
+    with open(tmp_path / frame / "summary.json") as fh:
+        return json.load(fh)["pieces"]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_shared_tp_layers_run_as_one_run(tmp_path, inner):
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    model, x = TPStack(mesh, 5, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    pieces = _pieces_summary(tmp_path, model, x, inner=inner, share_layers=True)
+    runtimes = {r["piece"]: r["runtime"] for r in pieces["rows"]}
+    # prefix (to_local of the weights), layers 0-3 (one compiled piece), last layer + loss
+    assert list(runtimes.values()) == ["aot", "layer in run_0", "aot"], runtimes
+
+
+def test_layers_without_a_backward_keep_aotautograds_runtime(tmp_path):
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    model = TPStack(mesh, 4, d=16, hidden=32).requires_grad_(False)
+    x = tp_stack_input(mesh, 8, 16).detach()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=localmap_fx.backend("aot_eager", share_layers=True, dump_dir=str(tmp_path)))
+    f(x)
+    (frame,) = os.listdir(tmp_path)
+    with open(tmp_path / frame / "summary.json") as fh:
+        rows = json.load(fh)["pieces"]["rows"]
+    layer_row = next(r for r in rows if r["layers"] and r["calls"] > 1)
+    assert layer_row["runtime"] == "aot: AOTAutograd compiled no backward for it (no input requires grad)"
