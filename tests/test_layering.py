@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.passes.fuse_boundaries",
         "localmap_fx.passes.hoist_subgraph_views",
         "localmap_fx.passes.share_layers",
+        "localmap_fx.compiler.layer_runtime",
         "localmap_fx.lowering",
         "localmap_fx.debug.layout",
     ),

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from ..graph_utils import node_value
 from ..passes.share_layers import META_PIECE, pieces_of
-from .inner import CompileOne
 from .layer_runtime import CompiledLayer, chain_layer_runs, compiled_layer, find_layer_runs
+
+if TYPE_CHECKING:
+    from .inner import CompileOne
 
 __all__ = ["PieceReport", "compile_pieces"]
 
