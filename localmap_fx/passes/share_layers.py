@@ -474,12 +474,13 @@ class PlainBorderStep:
     the DTensor its other users read with ``from_local(..., grad_placements)``."""
 
     value: str
-    to_local: str
+    to_local: str | None  # None: the last layer's output, a to_local is added (Note: [The last layer's border])
     grad_placements: tuple
     mesh: str
 
     def text(self) -> str:
-        return f"{self.value}: to_local {self.to_local} at the border, from_local(grad={self.grad_placements!r}) after it"
+        tl = self.to_local if self.to_local is not None else "(new)"
+        return f"{self.value}: to_local {tl} at the border, from_local(grad={self.grad_placements!r}) after it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,7 +553,63 @@ def find_plain_borders(gm: fx.GraphModule, plan: LayerPlan) -> PlainBorderPlan:
                 continue
             seen.add(v)
             steps.append(PlainBorderStep(v.name, tls[0].name, grad, mesh.name))
+    steps += _last_layer_borders(gm, nodes, plan, seen)
     return PlainBorderPlan(tuple(steps))
+
+
+def _last_layer_borders(gm: fx.GraphModule, nodes: Sequence[fx.Node], plan: LayerPlan,
+                        seen: set[fx.Node]) -> list[PlainBorderStep]:
+    """Note: [The last layer's border]
+        A layer hands its output to the next layer's ``to_local`` (and, with
+        the border steps above, as a local tensor); the last layer hands it
+        to the tail (the loss) as a DTensor.  So the last layer differed from
+        the others by that one to_local and was compiled with the tail, a
+        second copy of the layer.  Giving its output the same ``to_local`` /
+        ``from_local`` pair (with the grad_placements of the next layer's
+        to_local) makes it one more call of the shared layer and leaves the
+        tail its own ops.  Both are the identity in forward; in backward
+        from_local turns the tail's gradient into those placements (only
+        Replicate / Partial targets: no collective), as the other borders do.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if len(plan.spans) < 2:
+        return []
+    prev, last = plan.spans[-2], plan.spans[-1]
+    if prev.key is None or prev.stop - prev.start != last.stop - last.start:
+        return []
+    prev_nodes = nodes[prev.start:prev.stop]
+    offset = {n: i for i, n in enumerate(prev_nodes)}
+    inside = {n for s in plan.spans for n in nodes[s.start:s.stop]}
+    out: list[PlainBorderStep] = []
+    done: set[fx.Node] = set()
+    # the to_locals that read the layer before's output: in that layer's span
+    # when the border was moved past them (Note: [Where layers are cut]), else
+    # at the start of the next one
+    for tl in nodes[prev.start:last.stop]:
+        if not is_to_local(tl) or tl.args[0] not in offset:
+            continue
+        grad = tl.kwargs.get("grad_placements")
+        if not isinstance(grad, (tuple, list)) or not all(isinstance(p, (Replicate, Partial)) for p in grad):
+            continue
+        v = tl.args[0]
+        j = offset[v]  # type: ignore[index]
+        if last.start + j >= last.stop:
+            continue
+        u = nodes[last.start + j]
+        val = node_value(u)
+        if u in done or u in seen or u.op != v.op or u.target != v.target or not isinstance(val, DTensor):
+            continue
+        if len(grad) != len(val.placements) or not all(isinstance(p, Replicate) for p in val.placements):
+            continue
+        if not u.users or any(w in inside or is_to_local(w) for w in u.users):
+            continue
+        mesh = _mesh_placeholder(gm, val.device_mesh)
+        if mesh is None:
+            continue
+        done.add(u)
+        out.append(PlainBorderStep(u.name, None, tuple(grad), mesh.name))
+    return out
 
 
 def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> fx.GraphModule:
@@ -565,7 +622,16 @@ def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> fx.
     by_name = {n.name: n for n in gm.graph.nodes}
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for step in border_plan.steps:
-        v, tl, mesh = by_name[step.value], by_name[step.to_local], by_name[step.mesh]
+        v, mesh = by_name[step.value], by_name[step.mesh]
+        if step.to_local is None:
+            # Note: [The last layer's border]
+            with gm.graph.inserting_after(v):
+                tl = gm.graph.call_method("to_local", (v,), {"grad_placements": step.grad_placements})
+            tl.meta = {k: val for k, val in v.meta.items() if k in ("stack_trace",)}
+            local = node_value(v).to_local()
+            tl.meta["example_value"] = local
+        else:
+            tl = by_name[step.to_local]
         others = [u for u in v.users if u is not tl]
         # right after the value (after the last placeholder for an input), so
         # the layer border can fall between the local tensor and its DTensor
