@@ -587,13 +587,13 @@ def _last_layer_borders(gm: fx.GraphModule, nodes: Sequence[fx.Node], plan: Laye
     # when the border was moved past them (Note: [Where layers are cut]), else
     # at the start of the next one
     for tl in nodes[prev.start:last.stop]:
-        if not is_to_local(tl) or tl.args[0] not in offset:
+        v = tl.args[0] if is_to_local(tl) else None
+        if not isinstance(v, fx.Node) or v not in offset:
             continue
         grad = tl.kwargs.get("grad_placements")
         if not isinstance(grad, (tuple, list)) or not all(isinstance(p, (Replicate, Partial)) for p in grad):
             continue
-        v = tl.args[0]
-        j = offset[v]  # type: ignore[index]
+        j = offset[v]
         if last.start + j >= last.stop:
             continue
         u = nodes[last.start + j]
