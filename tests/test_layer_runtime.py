@@ -267,12 +267,22 @@ def _pieces_summary(tmp_path, model, x, **opts):
         return json.load(fh)["pieces"]
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_shared_tp_layers_run_as_one_run(tmp_path, inner):
+def _functional_stack(mesh, n):
+    from benchmarks.models import build_tp_stack
+
+    step, st = build_tp_stack(mesh, "ours", n_blocks=n, batch=8, d=8, hidden=16)
+    return (lambda x: step(x, st["w1"], st["w2"])), st["x"]
+
+
+@pytest.mark.parametrize("inner, style", [("aot_eager", "module"), ("inductor", "module"), ("aot_eager", "functional")])
+def test_shared_tp_layers_run_as_one_run(tmp_path, inner, style):
     from localmap_fx.testing.models import TPStack, tp_stack_input
 
     mesh = mesh_1d()
-    model, x = TPStack(mesh, 5, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    if style == "module":
+        model, x = TPStack(mesh, 5, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    else:  # no residual: the border is the next layer's to_local (Note: [Where layers are cut])
+        model, x = _functional_stack(mesh, 5)
     pieces = _pieces_summary(tmp_path, model, x, inner=inner, share_layers=True)
     rows = [(r["layers"], r["calls"], r["runtime"]) for r in pieces["rows"]]
     # prefix (to_local of the weights), every layer (one compiled piece, the last

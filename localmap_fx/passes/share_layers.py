@@ -602,7 +602,10 @@ def _last_layer_borders(gm: fx.GraphModule, nodes: Sequence[fx.Node], plan: Laye
             continue
         if len(grad) != len(val.placements) or not all(isinstance(p, Replicate) for p in val.placements):
             continue
-        if not u.users or any(w in inside or is_to_local(w) for w in u.users):
+        # nodes of the last span from the to_local's place on are the tail's
+        # (the span is as long as the one before it)
+        tail = set(nodes[last.start + offset[tl]:last.stop]) if tl in offset else set()
+        if not u.users or any((w in inside and w not in tail) or is_to_local(w) for w in u.users):
             continue
         mesh = _mesh_placeholder(gm, val.device_mesh)
         if mesh is None:
