@@ -98,26 +98,31 @@ def graph_passes(opts: BackendOptions) -> list[Pass]:
 
 
 # Note: [When "auto" shares layers]
-#     A shared piece saves the AOT trace and the kernel compilation of every
-#     repeat, but every piece call goes through AOTAutograd's runtime
-#     wrappers (an autograd.Function, tangent checks, output bookkeeping)
-#     in forward and backward, and kernels no longer fuse across a layer
-#     border.  The whole graph never pays that, so the pieces run slower by
-#     a fixed price per layer (measured: docs/benchmarks.md, "Deep models").
-#     A default may never make the compiled step slower than upstream
-#     torch.compile, so under inductor "auto" shares only when that price is
-#     lost in the layer's own compute: at least AUTO_MIN_LAYERS layers *and*
-#     PIECE_OVERHEAD_S[device] at most AUTO_MAX_OVERHEAD of the layer's
-#     estimated forward + backward time (3x the forward FLOPs of its matrix
-#     products at ASSUMED_FLOPS[device]).  The estimate errs towards one
-#     graph: only matrix products count and the assumed throughput is high.
-#     Under aot_eager / eager (not run-time modes) the count alone decides.
+#     A shared layer saves the AOT trace and the kernel compilation of every
+#     repeat.  At run time the layers of a frame are one LayerRun (Note: [A
+#     run of layers] in compiler/layer_runtime.py): the compiled forward and
+#     backward of the layer called once per layer, no per-layer autograd
+#     node or DTensor wrapping.  What is left is two calls into compiled
+#     code per layer and no kernel fusion across a layer border, a price per
+#     layer that one graph never pays (measured: about 15 us per layer per
+#     step on a CPU, fake process group, 64-layer TP stack; it was ~80 us
+#     through AOTAutograd's runtime wrappers per piece).  A default may never
+#     make the compiled step slower than upstream torch.compile, so under
+#     inductor "auto" shares only when that price is lost in the layer's own
+#     compute: at least AUTO_MIN_LAYERS layers *and* PIECE_OVERHEAD_S[device]
+#     at most AUTO_MAX_OVERHEAD of the layer's estimated forward + backward
+#     time (3x the forward FLOPs of its matrix products at
+#     ASSUMED_FLOPS[device]).  The estimate errs towards one graph: only
+#     matrix products count and the assumed throughput is high.  It assumes
+#     the layer runs as a CompiledLayer; one that needs AOTAutograd's runtime
+#     (compiled_layer says why, the dump shows it) pays the old price.  Under
+#     aot_eager / eager (not run-time modes) the count alone decides.
 AUTO_MIN_LAYERS = 8
 AUTO_MAX_OVERHEAD = 0.01
-# seconds per piece call, forward + backward (CPU: benchmarks/depth_bench.py,
-# 16-layer nn.Module TP stack, fake process group; other devices: the same
-# Python work, kernel launches are asynchronous)
-PIECE_OVERHEAD_S = {"cpu": 2e-4, "cuda": 2e-4}
+# seconds per layer call, forward + backward, in a LayerRun (CPU:
+# 64-layer nn.Module TP stack, fake process group, shared vs one graph;
+# other devices: the same Python work, kernel launches are asynchronous)
+PIECE_OVERHEAD_S = {"cpu": 1.5e-5, "cuda": 1.5e-5}
 # FLOP/s assumed for the layer's matrix products (high on purpose)
 ASSUMED_FLOPS = {"cpu": 1e11, "cuda": 1e14}
 
