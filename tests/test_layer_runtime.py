@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 import torch.fx as fx
+from torch._functorch._aot_autograd.schemas import OutputType
 
 import localmap_fx
 from localmap_fx.compiler.layer_runtime import (
@@ -206,6 +207,57 @@ def test_tangents_get_the_traced_strides():
     torch.testing.assert_close(x.grad.stride(), (3, 1))
 
 
+def test_saved_objects_and_sizes_reach_the_backward_in_its_order():
+    group = object()  # stands for an opaque value, e.g. a process group
+
+    def fw(args):
+        x, w = args
+        return [x * w, x, w, group, 3]  # outputs, tensors, objects, sizes
+
+    def bw(args):
+        n, x, w, obj, g = args  # sizes, tensors, objects, tangents
+        if obj is not group or n != 3:
+            raise AssertionError(f"backward got {args!r}")
+        return [g * w, g * x]
+
+    layer = CompiledLayer(fw, bw, 1, 4, (((3,), (1,)),), ((torch.float32, CPU),), n_opaque=1, n_symints=1)
+    outer = _outer([layer, layer], [("x", "w0"), ("0.0", "w1")])
+    chained = chain_layer_runs(outer, find_layer_runs(outer, lambda n: True),
+                               lambda n: outer.get_submodule(str(n.target)).fn)
+    for how in ("single", "run"):
+        x, ws = _inputs(2, n=3)
+        if how == "run":
+            last, _ = chained(x, *ws)
+        else:
+            (last,) = layer(*layer(x, ws[0]), ws[1])
+        last.sum().backward()
+        torch.testing.assert_close(x.grad, ws[0] * ws[1])
+        torch.testing.assert_close(ws[1].grad, x * ws[0])
+
+
+def test_an_output_without_a_tangent_is_not_differentiable():
+    def fw(args):
+        x, w = args
+        return [x * w, (x > 0).sum(), x, w]  # the count has no tangent
+
+    def bw(args):
+        x, w, g = args
+        return [g * w, g * x]
+
+    layer = CompiledLayer(fw, bw, 2, 2, (((3,), (1,)),), ((torch.float32, CPU),), tangent_outputs=(0,))
+    outer = _outer([layer, layer], [("x", "w0"), ("0.0", "w1")])
+    chained = chain_layer_runs(outer, find_layer_runs(outer, lambda n: True),
+                               lambda n: outer.get_submodule(str(n.target)).fn)
+    x, ws = _inputs(2, n=3)
+    count, first = chained(x, *ws)  # piece 1's count, piece 0's product
+    assert not count.requires_grad and first.requires_grad
+    (first * 2).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * ws[0])
+    assert ws[1].grad is None  # piece 1's product leads nowhere
+    single = layer(x.detach().requires_grad_(), ws[0])
+    assert single[0].requires_grad and not single[1].requires_grad
+
+
 class _Meta:
     """The ViewAndMutationMeta fields compiled_layer reads, all benign."""
 
@@ -213,7 +265,8 @@ class _Meta:
         from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
 
         inp = type("I", (), dict(mutates_data=False, mutates_metadata=False, mutates_storage_metadata=False))
-        out = type("O", (), dict(output_type=OutputType.non_alias))
+        out = type("O", (), dict(output_type=OutputType.non_alias, raw_type=torch.Tensor,
+                                 requires_grad_for_backward=True))
         self.input_info = [inp()]
         self.output_info = [out()]
         self.num_intermediate_bases = 0
@@ -247,15 +300,24 @@ def _kept():
                                          mutates_storage_metadata=False))()]), "writes to an input"),
     (dict(num_intermediate_bases=1), "aliases"),
     (dict(tokens={0: None}), "effect tokens"),
-    (dict(num_symints_saved_for_bw=1), "saves sizes"),
     (dict(subclass_fw_graph_out_meta=[object()]), "tensor subclass"),
     (dict(is_rng_op_functionalized=True), "RNG is functionalized"),
+    (dict(output_info=[type("O", (), dict(output_type=OutputType.non_alias, raw_type=torch.Tensor,
+                                          requires_grad_for_backward=False))()]), "1 tangents for 0"),
 ])
 def test_compiled_layer_refuses_what_needs_aotautograds_runtime(changes, reason):
     assert isinstance(compiled_layer(_kept(), _Meta()), CompiledLayer)
     why = compiled_layer(_kept(), _Meta(**changes))
     assert isinstance(why, str) and reason in why
     assert "no backward" in compiled_layer(_kept()[:1], _Meta())
+
+
+def test_a_dtensor_at_the_border_keeps_aotautograds_runtime():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dt = distribute_tensor(torch.ones(4), mesh_1d(), [Replicate()])
+    assert compiled_layer(_kept(), _Meta(), border=[torch.ones(4), dt]) == "a DTensor crosses its border"
+    assert isinstance(compiled_layer(_kept(), _Meta(), border=[torch.ones(4), 3]), CompiledLayer)
 
 
 def _pieces_summary(tmp_path, model, x, **opts):

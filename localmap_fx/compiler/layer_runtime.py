@@ -27,10 +27,11 @@ reason instead of a layer, and the dump shows it.
 
 Note: [What a CompiledLayer relies on]
     AOTAutograd's partitioned graphs have a fixed calling convention:
-    ``fw(*primals) -> (*outputs, *saved)`` and
-    ``bw(*saved, *tangents) -> (grad per primal)``; the backward's
-    placeholders are the saved values then one ``tangents_<i>`` per
-    differentiable output.  :func:`compiled_layer` reads the split from
+    ``fw(*primals) -> (*outputs, *tensors, *objects, *sizes)`` and
+    ``bw(*sizes, *tensors, *objects, *tangents) -> (grad per primal)``
+    (objects: opaque values such as a process group; sizes: SymInts); the
+    backward's placeholders are the saved values then one ``tangents_<i>``
+    per differentiable output.  :func:`compiled_layer` reads the split from
     the backward graph and refuses a piece unless every output is a fresh
     tensor that gets a tangent, and no input is written.  Tangents are
     given the strides the backward was traced with (AOTAutograd does the
@@ -60,6 +61,27 @@ class CompiledLayer:
     # per tangent: the (size, stride) the backward graph was traced with, and dtype / device
     tangent_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     tangent_types: tuple[tuple[torch.dtype, torch.device], ...]
+    # of the n_saved: opaque objects (a process group, a mesh) and sizes, which
+    # the forward returns after the tensors and the backward reads as
+    # (*sizes, *tensors, *objects)
+    n_opaque: int = 0
+    n_symints: int = 0
+    # the output each tangent belongs to; the others are not differentiable
+    # (None: one tangent per output, in order)
+    tangent_outputs: tuple[int, ...] | None = None
+
+    @property
+    def differentiable(self) -> tuple[int, ...]:
+        return self.tangent_outputs if self.tangent_outputs is not None else tuple(range(self.n_outputs))
+
+    def split(self, flat: Sequence[Any]) -> tuple[tuple, list]:
+        """The forward's flat result as (outputs, saved values in the backward's order)."""
+        outs = tuple(flat[: self.n_outputs])
+        saved = list(flat[self.n_outputs:])
+        if self.n_opaque or self.n_symints:
+            n_t = len(saved) - self.n_opaque - self.n_symints
+            saved = saved[n_t + self.n_opaque:] + saved[:n_t] + saved[n_t:n_t + self.n_opaque]
+        return outs, saved
 
     def __call__(self, *args: Any) -> tuple:
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -70,21 +92,29 @@ class CompiledLayer:
 class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer: CompiledLayer, *args: Any):
-        flat = layer.forward(list(args))
-        outs = tuple(flat[: layer.n_outputs])
-        saved = flat[layer.n_outputs:]
+        outs, saved = layer.split(layer.forward(list(args)))
         ctx.layer = layer
-        ctx.n_args = len(args)
-        ctx.save_for_backward(*saved)
+        _mark_non_differentiable(ctx, outs, layer.differentiable)
+        is_tensor = [isinstance(v, torch.Tensor) for v in saved]
+        ctx.save_for_backward(*(v for v, t in zip(saved, is_tensor) if t))
+        ctx.saved_other = [None if t else v for v, t in zip(saved, is_tensor)]
         return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         layer: CompiledLayer = ctx.layer
-        tangents = [_as_traced(g, layout) for g, layout in zip(grads, layer.tangent_layouts)]
-        saved = list(ctx.saved_tensors)
+        tangents = [_as_traced(grads[i], layout) for i, layout in zip(layer.differentiable, layer.tangent_layouts)]
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if v is None else v for v in ctx.saved_other]
         out = layer.backward(saved + tangents)
         return (None, *out)
+
+
+def _mark_non_differentiable(ctx, outs: Sequence[Any], differentiable: Sequence[int]) -> None:
+    keep = set(differentiable)
+    others = [o for i, o in enumerate(outs) if i not in keep and isinstance(o, torch.Tensor)]
+    if others:
+        ctx.mark_non_differentiable(*others)
 
 
 def _as_traced(grad: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
@@ -100,15 +130,23 @@ def _static(values: Sequence[Any]) -> bool:
     return all(isinstance(v, int) for v in values)
 
 
-def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_metadata: Any) -> CompiledLayer | str:
+def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_metadata: Any,
+                   border: Sequence[Any] = ()) -> CompiledLayer | str:
     """The :class:`CompiledLayer` of one AOT-compiled piece, or why it needs AOTAutograd's runtime.
 
     ``kept`` is what ``compile_one(..., keep=...)`` recorded (forward and
     backward graph with their compiled callables), ``fw_metadata``
-    AOTAutograd's ``ViewAndMutationMeta`` for the piece.
+    AOTAutograd's ``ViewAndMutationMeta`` for the piece, ``border`` the
+    (fake) values of its inputs and outputs: a tensor subclass among them
+    (a DTensor crossing the border) is flattened and rebuilt by
+    AOTAutograd's runtime, so such a piece keeps it.
     """
     from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+    crossing = sorted({type(v).__name__ for v in border if is_traceable_wrapper_subclass(v)})
+    if crossing:
+        return f"a {', '.join(crossing)} crosses its border"
     graphs = {kind: (g, c) for kind, g, c in kept}
     if "forward" not in graphs or "backward" not in graphs:
         return "AOTAutograd compiled no backward for it (no input requires grad)"
@@ -121,8 +159,6 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
         return "an output aliases an input or another output"
     if md.tokens or md.num_backward_tokens or md.num_graphsafe_rng_states:
         return "it has effect tokens or RNG state"
-    if md.num_symints_saved_for_bw or md.num_opaque_objects_saved_for_bw:
-        return "it saves sizes or objects for backward"
     if not all(isinstance(m, PlainTensorMeta) for m in md.subclass_fw_graph_out_meta):
         return "an output is a tensor subclass"
     if getattr(md, "is_rng_op_functionalized", False):
@@ -134,8 +170,11 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
     n_saved = len(bw_inputs) - len(tangents)
     fw_out = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output").args[0]
     n_outputs = len(fw_out) - n_saved
-    if n_outputs != len(md.output_info) or len(tangents) != n_outputs:
-        return f"{n_outputs} outputs, {len(tangents)} of them with a tangent"
+    if n_outputs != len(md.output_info):
+        return f"{n_outputs} forward outputs for {len(md.output_info)} outputs"
+    owners = _tangent_owners(md, len(tangents))
+    if isinstance(owners, str):
+        return owners
     layouts, types = [], []
     for t in tangents:
         val = t.meta.get("val")
@@ -143,7 +182,24 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
             return "a tangent has a symbolic size"
         layouts.append((tuple(val.shape), tuple(val.stride())))
         types.append((val.dtype, val.device))
-    return CompiledLayer(fw, bw, n_outputs, n_saved, tuple(layouts), tuple(types))
+    return CompiledLayer(fw, bw, n_outputs, n_saved, tuple(layouts), tuple(types),
+                         md.num_opaque_objects_saved_for_bw or 0, md.num_symints_saved_for_bw or 0,
+                         None if owners == tuple(range(n_outputs)) else owners)
+
+
+def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | str:
+    """Which output each tangent of the backward belongs to.
+
+    AOTAutograd traces a tangent for every tensor output it must
+    differentiate (``requires_grad_for_backward``), in output order; with no
+    input mutation and no intermediate base (refused above) those are all.
+    """
+    owners = tuple(i for i, o in enumerate(md.output_info)
+                   if isinstance(o.raw_type, type) and issubclass(o.raw_type, torch.Tensor)
+                   and o.requires_grad_for_backward)
+    if len(owners) != n_tangents:
+        return f"{n_tangents} tangents for {len(owners)} differentiable outputs"
+    return owners
 
 
 # --- runs of layers: one autograd node for many layers -------------------------
@@ -196,10 +252,9 @@ def _run_forward(run: LayerRun, inputs: Sequence[Any], keep_saved: bool):
     saved: list[list] = []
     for step in run.steps:
         args = [inputs[s[1]] if s[0] == "in" else outs[s[1]][s[2]] for s in step.args]
-        flat = step.layer.forward(args)
-        n = step.layer.n_outputs
-        outs.append(tuple(flat[:n]))
-        saved.append(list(flat[n:]) if keep_saved else [])
+        step_outs, step_saved = step.layer.split(step.layer.forward(args))
+        outs.append(step_outs)
+        saved.append(step_saved if keep_saved else [])
     return outs, saved
 
 
@@ -209,20 +264,28 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return a if b is None else a + b
 
 
+@dataclasses.dataclass(frozen=True)
+class _ResultSlot:
+    index: int  # a saved value that is the run's result ``index``
+
+
 class _RunFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: LayerRun, *inputs: Any):
         outs, saved = _run_forward(run, inputs, keep_saved=True)
         results = tuple(outs[j][k] for j, k in run.outputs)
+        _mark_non_differentiable(ctx, results, [i for i, (j, k) in enumerate(run.outputs)
+                                                if k in run.steps[j].layer.differentiable])
         # Saved values stay in a plain list so that each layer's are freed as
         # soon as its backward ran; a saved value that is also a result goes
         # through save_for_backward (a result held by ctx would be a cycle).
         by_id = {id(r): i for i, r in enumerate(results)}
-        kept = sorted({by_id[id(t)] for step_saved in saved for t in step_saved if id(t) in by_id})
+        kept = sorted({by_id[id(t)] for step_saved in saved for t in step_saved
+                       if isinstance(t, torch.Tensor) and id(t) in by_id})
         ctx.save_for_backward(*(results[i] for i in kept))
         ctx.result_slots = {i: n for n, i in enumerate(kept)}
-        ctx.saved = [[("result", by_id[id(t)]) if id(t) in by_id else t for t in step_saved]
-                     for step_saved in saved]
+        ctx.saved = [[_ResultSlot(by_id[id(t)]) if isinstance(t, torch.Tensor) and id(t) in by_id else t
+                      for t in step_saved] for step_saved in saved]
         ctx.run = run
         ctx.set_materialize_grads(False)
         return results
@@ -239,7 +302,7 @@ class _RunFunction(torch.autograd.Function):
         for j in reversed(range(len(run.steps))):
             step = run.steps[j]
             layer = step.layer
-            if all(g is None for g in out_grads[j]):
+            if all(out_grads[j][i] is None for i in layer.differentiable):
                 # not on the way to anything differentiated: autograd would not
                 # run this layer's backward either
                 saved[j] = []
@@ -247,10 +310,10 @@ class _RunFunction(torch.autograd.Function):
             tangents = [
                 torch.empty_strided(size, stride, dtype=dtype, device=device).zero_() if g is None
                 else _as_traced(g, (size, stride))
-                for g, (size, stride), (dtype, device) in zip(out_grads[j], layer.tangent_layouts,
-                                                              layer.tangent_types)
+                for g, (size, stride), (dtype, device) in zip((out_grads[j][i] for i in layer.differentiable),
+                                                              layer.tangent_layouts, layer.tangent_types)
             ]
-            step_saved = [saved_results[ctx.result_slots[t[1]]] if isinstance(t, tuple) else t
+            step_saved = [saved_results[ctx.result_slots[t.index]] if isinstance(t, _ResultSlot) else t
                           for t in saved[j]]
             saved[j] = []
             out_grads[j] = []

@@ -108,7 +108,9 @@ def compile_pieces(
             runtime = "aot"
             if keep is not None:
                 # Note: [What a CompiledLayer relies on]
-                layer = compiled_layer(keep, context.fw_metadata if context is not None else None)
+                out_node = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
+                border = [*example, *(node_value(o) for o in out_node.args[0])]
+                layer = compiled_layer(keep, context.fw_metadata if context is not None else None, border)
                 if isinstance(layer, CompiledLayer):
                     fn, runtime = layer, "layer"
                 else:
