@@ -18,7 +18,8 @@
     split_layers         one piece per layer, pieces with one key compiled once
     inner compiler       inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
-                         hoist_subgraph_views
+                         hoist_subgraph_views; consecutive shared layers then run
+                         as one LayerRun (compiler/layer_runtime.py)
 
 Note: [Outline or inline, decided once]
     A shared layer piece is compiled once anyway, and an outlined body is a
