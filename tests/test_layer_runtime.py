@@ -366,3 +366,41 @@ def test_layers_without_a_backward_keep_aotautograds_runtime(tmp_path):
         rows = json.load(fh)["pieces"]["rows"]
     layer_row = next(r for r in rows if r["layers"] and r["calls"] > 1)
     assert layer_row["runtime"] == "aot: AOTAutograd compiled no backward for it (no input requires grad)"
+
+
+class _DTensorWeightBlock(torch.nn.Module):
+    """torchtitan's shape: DTensor weights used by F.linear outside the region."""
+
+    def __init__(self, mesh, d, seed):
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.mesh = mesh
+        self.w = torch.nn.Parameter(distribute_tensor(torch.randn(d, d, generator=gen) / d, mesh, [Shard(0)]))
+        self.wo = torch.nn.Parameter(distribute_tensor(torch.randn(d, d, generator=gen) / d, mesh, [Shard(1)]))
+        self.act = localmap_fx.local_map(torch.tanh, out_placements=[Shard(1)], in_placements=([Shard(1)],),
+                                         device_mesh=mesh)
+        self.replicate = [Replicate()]
+
+    def forward(self, x):
+        h = self.act(torch.nn.functional.linear(x, self.w))
+        return x + torch.nn.functional.linear(h, self.wo).redistribute(self.mesh, self.replicate)
+
+
+def test_auto_keeps_one_graph_when_dtensors_cross_the_layer_borders(tmp_path):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = mesh_1d()
+    blocks = torch.nn.Sequential(*(_DTensorWeightBlock(mesh, 8, i) for i in range(8)))
+    x = distribute_tensor(torch.randn(4, 8), mesh, [Replicate()]).requires_grad_()
+
+    def model(x):
+        return blocks(x).sum()
+
+    pieces = _pieces_summary(tmp_path / "auto", model, x, inner="aot_eager")
+    assert pieces["shared"] is False
+    assert "DTensors would cross the layer borders" in pieces["reason"], pieces["reason"]
+    pieces = _pieces_summary(tmp_path / "shared", model, x, inner="aot_eager", share_layers=True)
+    assert pieces["shared"] is True
+    assert {r["runtime"] for r in pieces["rows"] if r["calls"] > 1} == {"aot: a DTensor crosses its border"}

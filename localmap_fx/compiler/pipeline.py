@@ -172,11 +172,13 @@ def layer_cost(gm: fx.GraphModule, plan) -> LayerCost | None:
     return LayerCost(span_flops(nodes), device)
 
 
-def layer_sharing_decision(plan, share_layers: bool | str, cost: LayerCost | None = None) -> str | None:
+def layer_sharing_decision(plan, share_layers: bool | str, cost: LayerCost | None = None,
+                           dtensor_borders: Sequence[str] = ()) -> str | None:
     """None to split ``plan`` into shared pieces, else why the graph stays whole.
 
     ``cost`` (given under inductor) makes "auto" weigh run time too (Note:
-    [When "auto" shares layers]).
+    [When "auto" shares layers]); ``dtensor_borders`` names DTensors that
+    would cross layer borders (Note: [No DTensor at an automatic border]).
     """
     if share_layers is False:
         return "share_layers=False"
@@ -188,10 +190,28 @@ def layer_sharing_decision(plan, share_layers: bool | str, cost: LayerCost | Non
         if most < AUTO_MIN_LAYERS:
             return (f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "
                     "one graph fuses across layer borders")
+        if dtensor_borders:
+            shown = ", ".join(dtensor_borders[:3]) + (", ..." if len(dtensor_borders) > 3 else "")
+            return (f"share_layers='auto': {most} layers, but DTensors would cross the layer borders ({shown}): "
+                    "each layer would unwrap and wrap them and turn their gradients into the traced "
+                    "placements every step, summing gradients in another order than one graph "
+                    "(share_layers=True shares anyway)")
         if cost is not None and not cost.worth_sharing:
             return (f"share_layers='auto': {most} layers, but pieces would run slower than one graph: "
                     f"{cost.text()}")
     return None
+
+
+# Note: [No DTensor at an automatic border]
+#     A layer whose border a DTensor crosses (weights used as DTensors outside
+#     the layer's regions, a residual the plain borders cannot pass) runs
+#     through AOTAutograd's runtime: subclass unwrap/wrap per layer and step,
+#     and a gradient coerced to the traced tangent placements at every border
+#     (an all_reduce where the layer produces Partial), so it is slower than
+#     one graph and its aot_eager gradients differ from eager in the last bits
+#     as regional compilation's do (found on a torchtitan-shaped attention
+#     stack: 1.1e-8 off eager at 8 layers, where one graph is bitwise).  "auto"
+#     keeps such a frame whole; share_layers=True still shares it.
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
@@ -200,6 +220,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     from ..passes.share_layers import (
         LayerPlan,
         apply_plain_borders,
+        dtensors_at_borders,
         find_layer_spans,
         find_plain_borders,
         split_layers,
@@ -230,7 +251,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     if why_whole is None:
         # Note: [A DTensor at a layer border costs a collective]
         borders = find_plain_borders(gm, plan)
-        if borders.steps:
+        if opts.share_layers == "auto":
+            # Note: [No DTensor at an automatic border]
+            why_whole = layer_sharing_decision(plan, "auto", cost, dtensors_at_borders(gm, plan, borders))
+        if why_whole is None and borders.steps:
             gm = apply_plain_borders(gm, borders)
             plan = find_layer_spans(gm)
             why_whole = layer_sharing_decision(plan, opts.share_layers, cost)

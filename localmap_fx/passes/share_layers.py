@@ -65,6 +65,7 @@ __all__ = [
     "find_layer_spans",
     "span_key",
     "split_layers",
+    "dtensors_at_borders",
     "META_PIECE",
 ]
 
@@ -555,6 +556,27 @@ def find_plain_borders(gm: fx.GraphModule, plan: LayerPlan) -> PlainBorderPlan:
             steps.append(PlainBorderStep(v.name, tls[0].name, grad, mesh.name))
     steps += _last_layer_borders(gm, nodes, plan, seen)
     return PlainBorderPlan(tuple(steps))
+
+
+def dtensors_at_borders(gm: fx.GraphModule, plan: LayerPlan,
+                        border_plan: PlainBorderPlan | None = None) -> tuple[str, ...]:
+    """The DTensors that would enter or leave a shared layer once ``border_plan`` is applied.
+
+    Read-only.  A value a border step passes as its local tensor does not
+    count (Note: [A DTensor at a layer border costs a collective]); the
+    to_local / from_local pair that step adds stays inside the layers.
+    """
+    from torch.distributed.tensor import DTensor
+
+    passed = {s.value for s in border_plan.steps} if border_plan is not None else set()
+    nodes = compute_nodes(gm, plan.hoisted)
+    names: list[str] = []
+    for span in plan.shared:
+        inputs, outputs = span_io(nodes[span.start:span.stop])
+        for v in (*inputs, *outputs):
+            if isinstance(node_value(v), DTensor) and v.name not in passed and v.name not in names:
+                names.append(v.name)
+    return tuple(names)
 
 
 def _last_layer_borders(gm: fx.GraphModule, nodes: Sequence[fx.Node], plan: LayerPlan,
