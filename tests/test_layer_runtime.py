@@ -49,7 +49,7 @@ def _scale_layer(n: int) -> CompiledLayer:
         gz = g * (1 - y * y)
         return [gz * w, gz * x]
 
-    return CompiledLayer(fw, bw, 1, 3, (((n,), (1,)),), ((torch.float32, CPU),))
+    return CompiledLayer(fw, bw, 1, (((n,), (1,)),), ((torch.float32, CPU),))
 
 
 def _split_layer(n: int) -> CompiledLayer:
@@ -64,7 +64,7 @@ def _split_layer(n: int) -> CompiledLayer:
         return [ga * w + gb, ga * x + gb]
 
     layout = ((n,), (1,))
-    return CompiledLayer(fw, bw, 2, 2, (layout, layout), ((torch.float32, CPU),) * 2)
+    return CompiledLayer(fw, bw, 2, (layout, layout), ((torch.float32, CPU),) * 2)
 
 
 class _Piece(torch.nn.Module):
@@ -189,6 +189,32 @@ def test_runs_stop_at_a_piece_that_is_not_a_layer():
     assert find_layer_runs(outer, lambda n: n.target == "piece_0") == []
 
 
+def test_a_run_checks_saved_versions_and_keeps_them_for_retain_graph():
+    layer = _scale_layer(3)
+    x, ws = _inputs(1, n=3)
+    (y,) = layer(x, ws[0])
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()  # saved values kept for the second backward: gradients add up
+    x2, ws2 = _inputs(1, n=3)
+    torch.tanh(x2 * ws2[0]).sum().mul(2).backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    (y,) = layer(x, ws[0])
+    with torch.no_grad():
+        ws[0].mul_(2)  # a saved input written before the backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_backward_that_reuses_saved_buffers_refuses_retain_graph():
+    import dataclasses
+
+    layer = dataclasses.replace(_scale_layer(3), donates_buffers=True)
+    x, ws = _inputs(1, n=3)
+    (y,) = layer(x, ws[0])
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        y.sum().backward(retain_graph=True)
+
+
 def test_tangents_get_the_traced_strides():
     seen = []
 
@@ -199,7 +225,7 @@ def test_tangents_get_the_traced_strides():
         seen.append(args[0].stride())
         return [args[0] * 2]
 
-    layer = CompiledLayer(fw, bw, 1, 0, (((2, 3), (3, 1)),), ((torch.float32, CPU),))
+    layer = CompiledLayer(fw, bw, 1, (((2, 3), (3, 1)),), ((torch.float32, CPU),))
     x = torch.randn(2, 3, requires_grad=True)
     (y,) = layer(x)
     y.backward(torch.randn(3, 2).t())  # a transposed (non-contiguous) gradient
@@ -220,7 +246,7 @@ def test_saved_objects_and_sizes_reach_the_backward_in_its_order():
             raise AssertionError(f"backward got {args!r}")
         return [g * w, g * x]
 
-    layer = CompiledLayer(fw, bw, 1, 4, (((3,), (1,)),), ((torch.float32, CPU),), n_opaque=1, n_symints=1)
+    layer = CompiledLayer(fw, bw, 1, (((3,), (1,)),), ((torch.float32, CPU),), n_opaque=1, n_symints=1)
     outer = _outer([layer, layer], [("x", "w0"), ("0.0", "w1")])
     chained = chain_layer_runs(outer, find_layer_runs(outer, lambda n: True),
                                lambda n: outer.get_submodule(str(n.target)).fn)
@@ -244,7 +270,7 @@ def test_an_output_without_a_tangent_is_not_differentiable():
         x, w, g = args
         return [g * w, g * x]
 
-    layer = CompiledLayer(fw, bw, 2, 2, (((3,), (1,)),), ((torch.float32, CPU),), tangent_outputs=(0,))
+    layer = CompiledLayer(fw, bw, 2, (((3,), (1,)),), ((torch.float32, CPU),), tangent_outputs=(0,))
     outer = _outer([layer, layer], [("x", "w0"), ("0.0", "w1")])
     chained = chain_layer_runs(outer, find_layer_runs(outer, lambda n: True),
                                lambda n: outer.get_submodule(str(n.target)).fn)
@@ -277,6 +303,8 @@ class _Meta:
         self.num_opaque_objects_saved_for_bw = 0
         self.subclass_fw_graph_out_meta = [PlainTensorMeta(0)]
         self.is_rng_op_functionalized = False
+        self.num_tensors_saved_with_no_vc_check = 0
+        self.bw_donated_idxs = []
         self.__dict__.update(changes)
 
 
@@ -302,6 +330,7 @@ def _kept():
     (dict(tokens={0: None}), "effect tokens"),
     (dict(subclass_fw_graph_out_meta=[object()]), "tensor subclass"),
     (dict(is_rng_op_functionalized=True), "RNG is functionalized"),
+    (dict(num_tensors_saved_with_no_vc_check=1), "does not version-check"),
     (dict(output_info=[type("O", (), dict(output_type=OutputType.non_alias, raw_type=torch.Tensor,
                                           requires_grad_for_backward=False))()]), "1 tangents for 0"),
 ])

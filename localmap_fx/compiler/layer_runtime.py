@@ -9,15 +9,15 @@ it once.  A layer piece needs none of it: plain border tensors in, plain
 tensors out (Note: [A DTensor at a layer border costs a collective] in
 :mod:`localmap_fx.passes.share_layers`), no mutation, no alias.  So when
 AOTAutograd's own metadata says so, the piece runs as a
-:class:`CompiledLayer`: one lean ``autograd.Function`` that calls the
-compiled forward, saves what the backward graph reads, and calls the
-compiled backward::
+:class:`CompiledLayer`, called in a :class:`LayerRun`: one lean
+``autograd.Function`` that calls the compiled forward, saves what the
+backward graph reads, and calls the compiled backward::
 
-    AOTAutograd runtime (per layer)             CompiledLayer (per layer)
-    -------------------------------             -------------------------
-    RuntimeWrapper -> EffectTokens ->           _LayerFunction.apply
-    FunctionalizedRng -> AOTDispatchSubclass      forward: outs, saved = fw(args)
-    -> CompiledFunction.apply(fw)                 backward: grads = bw(saved, tangents)
+    AOTAutograd runtime (per layer)             LayerRun (per run of layers)
+    -------------------------------             ----------------------------
+    RuntimeWrapper -> EffectTokens ->           _RunFunction.apply
+    FunctionalizedRng -> AOTDispatchSubclass      forward: outs, saved = fw(args) per layer
+    -> CompiledFunction.apply(fw)                 backward: grads = bw(saved, tangents) per layer
     -> alias / mutation epilogue
 
 Anything else (a piece AOTAutograd had to give a mutation epilogue, an
@@ -57,11 +57,10 @@ class CompiledLayer:
     forward: Callable[[list], Any]
     backward: Callable[[list], Any]
     n_outputs: int
-    n_saved: int
     # per tangent: the (size, stride) the backward graph was traced with, and dtype / device
     tangent_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     tangent_types: tuple[tuple[torch.dtype, torch.device], ...]
-    # of the n_saved: opaque objects (a process group, a mesh) and sizes, which
+    # of the saved values: opaque objects (a process group, a mesh) and sizes, which
     # the forward returns after the tensors and the backward reads as
     # (*sizes, *tensors, *objects)
     n_opaque: int = 0
@@ -69,6 +68,9 @@ class CompiledLayer:
     # the output each tangent belongs to; the others are not differentiable
     # (None: one tangent per output, in order)
     tangent_outputs: tuple[int, ...] | None = None
+    # the backward may reuse saved buffers (AOTAutograd's bw_donated_idxs):
+    # it must not run twice on one forward (retain_graph=True)
+    donates_buffers: bool = False
 
     @property
     def differentiable(self) -> tuple[int, ...]:
@@ -84,30 +86,9 @@ class CompiledLayer:
         return outs, saved
 
     def __call__(self, *args: Any) -> tuple:
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return _LayerFunction.apply(self, *args)
-        return tuple(self.forward(list(args))[: self.n_outputs])
-
-
-class _LayerFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layer: CompiledLayer, *args: Any):
-        outs, saved = layer.split(layer.forward(list(args)))
-        ctx.layer = layer
-        _mark_non_differentiable(ctx, outs, layer.differentiable)
-        is_tensor = [isinstance(v, torch.Tensor) for v in saved]
-        ctx.save_for_backward(*(v for v, t in zip(saved, is_tensor) if t))
-        ctx.saved_other = [None if t else v for v, t in zip(saved, is_tensor)]
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        layer: CompiledLayer = ctx.layer
-        tangents = [_as_traced(grads[i], layout) for i, layout in zip(layer.differentiable, layer.tangent_layouts)]
-        tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if v is None else v for v in ctx.saved_other]
-        out = layer.backward(saved + tangents)
-        return (None, *out)
+        """One call outside a run: a run of this one layer."""
+        step = RunStep("layer", self, tuple(("in", i) for i in range(len(args))))
+        return LayerRun((step,), len(args), tuple((0, k) for k in range(self.n_outputs)))(*args)
 
 
 def _mark_non_differentiable(ctx, outs: Sequence[Any], differentiable: Sequence[int]) -> None:
@@ -163,6 +144,9 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
         return "an output is a tensor subclass"
     if getattr(md, "is_rng_op_functionalized", False):
         return "its RNG is functionalized"
+    if md.num_tensors_saved_with_no_vc_check:
+        # a run version-checks every saved tensor (save_for_backward)
+        return "it saves tensors AOTAutograd does not version-check"
     fw_gm, fw = graphs["forward"]
     bw_gm, bw = graphs["backward"]
     bw_inputs = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
@@ -182,9 +166,10 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
             return "a tangent has a symbolic size"
         layouts.append((tuple(val.shape), tuple(val.stride())))
         types.append((val.dtype, val.device))
-    return CompiledLayer(fw, bw, n_outputs, n_saved, tuple(layouts), tuple(types),
+    return CompiledLayer(fw, bw, n_outputs, tuple(layouts), tuple(types),
                          md.num_opaque_objects_saved_for_bw or 0, md.num_symints_saved_for_bw or 0,
-                         None if owners == tuple(range(n_outputs)) else owners)
+                         None if owners == tuple(range(n_outputs)) else owners,
+                         bool(md.bw_donated_idxs) and torch._functorch.config.donated_buffer)
 
 
 def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | str:
@@ -264,9 +249,7 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return a if b is None else a + b
 
 
-@dataclasses.dataclass(frozen=True)
-class _ResultSlot:
-    index: int  # a saved value that is the run's result ``index``
+_TENSOR = object()  # where a saved tensor sits among a layer's saved values
 
 
 class _RunFunction(torch.autograd.Function):
@@ -276,16 +259,11 @@ class _RunFunction(torch.autograd.Function):
         results = tuple(outs[j][k] for j, k in run.outputs)
         _mark_non_differentiable(ctx, results, [i for i, (j, k) in enumerate(run.outputs)
                                                 if k in run.steps[j].layer.differentiable])
-        # Saved values stay in a plain list so that each layer's are freed as
-        # soon as its backward ran; a saved value that is also a result goes
-        # through save_for_backward (a result held by ctx would be a cycle).
-        by_id = {id(r): i for i, r in enumerate(results)}
-        kept = sorted({by_id[id(t)] for step_saved in saved for t in step_saved
-                       if isinstance(t, torch.Tensor) and id(t) in by_id})
-        ctx.save_for_backward(*(results[i] for i in kept))
-        ctx.result_slots = {i: n for n, i in enumerate(kept)}
-        ctx.saved = [[_ResultSlot(by_id[id(t)]) if isinstance(t, torch.Tensor) and id(t) in by_id else t
-                      for t in step_saved] for step_saved in saved]
+        # Tensors go through save_for_backward, as AOTAutograd's do: version
+        # checked, and a saved result is no reference cycle.  Sizes and opaque
+        # objects are kept beside them.
+        ctx.save_for_backward(*(v for step_saved in saved for v in step_saved if isinstance(v, torch.Tensor)))
+        ctx.others = [[_TENSOR if isinstance(v, torch.Tensor) else v for v in step_saved] for step_saved in saved]
         ctx.run = run
         ctx.set_materialize_grads(False)
         return results
@@ -293,8 +271,20 @@ class _RunFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         run: LayerRun = ctx.run
-        saved_results = ctx.saved_tensors
-        saved, ctx.saved = ctx.saved, None
+        retain = torch._C._autograd._get_current_graph_task_keep_graph()
+        if retain and any(step.layer.donates_buffers for step in run.steps):
+            raise RuntimeError(
+                "This backward function was compiled with non-empty donated buffers which requires "
+                "create_graph=False and retain_graph=False. Please keep backward(create_graph=False, "
+                "retain_graph=False) across all backward() function calls, or set "
+                "torch._functorch.config.donated_buffer=False to disable donated buffer."
+            )
+        tensors = iter(ctx.saved_tensors)
+        saved = [[next(tensors) if v is _TENSOR else v for v in step_others] for step_others in ctx.others]
+        del tensors
+        # ctx lets go of its references (unless retain_graph), so each layer's
+        # saved values are freed once its backward ran, as in one graph
+        ctx.maybe_clear_saved_tensors()
         in_grads: list[torch.Tensor | None] = [None] * run.n_inputs
         out_grads: list[list[torch.Tensor | None]] = [[None] * s.layer.n_outputs for s in run.steps]
         for (j, k), g in zip(run.outputs, grads):
@@ -302,10 +292,10 @@ class _RunFunction(torch.autograd.Function):
         for j in reversed(range(len(run.steps))):
             step = run.steps[j]
             layer = step.layer
+            step_saved, saved[j] = saved[j], []
             if all(out_grads[j][i] is None for i in layer.differentiable):
                 # not on the way to anything differentiated: autograd would not
                 # run this layer's backward either
-                saved[j] = []
                 continue
             tangents = [
                 torch.empty_strided(size, stride, dtype=dtype, device=device).zero_() if g is None
@@ -313,9 +303,6 @@ class _RunFunction(torch.autograd.Function):
                 for g, (size, stride), (dtype, device) in zip((out_grads[j][i] for i in layer.differentiable),
                                                               layer.tangent_layouts, layer.tangent_types)
             ]
-            step_saved = [saved_results[ctx.result_slots[t.index]] if isinstance(t, _ResultSlot) else t
-                          for t in saved[j]]
-            saved[j] = []
             out_grads[j] = []
             arg_grads = layer.backward(step_saved + tangents)
             for src, g in zip(step.args, arg_grads):
