@@ -157,8 +157,7 @@ def lower_boundaries(gm: fx.GraphModule, typecheck: str = "regions") -> PassResu
     for b in boundaries:
         rewrite_boundary(b)
     # regions inside nested subgraphs (checkpoint bodies...) live in submodules
-    edited = {b.region for b in boundaries}
-    return PassResult.of(gm, ((r.owner or gm) for k, r in enumerate(regions) if k in edited))
+    return PassResult.of(gm, (regions[b.region].owner or gm for b in boundaries))
 
 
 def lower(gm: fx.GraphModule, typecheck: str = "regions") -> fx.GraphModule:

@@ -20,10 +20,12 @@ subgraph carry the first call's).
 from __future__ import annotations
 
 import dataclasses
+import operator
+from typing import Any
 
 import torch.fx as fx
 
-from ..graph_utils import CUSTOM, splice_subgraph_call
+from ..graph_utils import CUSTOM, fetch_attr, subgraph_attr
 from ..region import find_regions, shared_body_call
 from . import PassResult
 
@@ -41,6 +43,54 @@ class SharedCall:
     owner: fx.GraphModule
     call: fx.Node
 
+
+def splice_subgraph_call(owner: fx.GraphModule, call: fx.Node, annotation: dict | None = None) -> None:
+    """Copy the nodes of the subgraph ``call`` invokes in place of ``call`` and its getitems.
+
+    ``owner`` is the module whose graph holds ``call``.  The copies keep the
+    body's metadata; with ``annotation``, their ``meta["custom"]`` is replaced by
+    it (nodes of a shared subgraph carry the first call's annotation).
+    """
+    graph = call.graph
+    attr = subgraph_attr(call)
+    body: fx.GraphModule = fetch_attr(owner, attr.target)
+    operands: list[Any] = list(call.args[2:])
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(operands):
+        raise AssertionError(f"{call.name}: {len(operands)} operands for {len(placeholders)} body inputs")
+    env: dict[fx.Node, Any] = dict(zip(placeholders, operands))
+    outputs: Any = None
+    with graph.inserting_before(call):
+        for n in body.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outputs = n.args[0]
+                continue
+            if n.op == "get_attr":
+                # a constant the body closed over: hang it on the owner under a fresh name
+                name = f"{attr.target}_{n.target}".replace(".", "_")
+                if not hasattr(owner, name):
+                    setattr(owner, name, fetch_attr(body, n.target))
+                copy = graph.get_attr(name)
+                copy.meta = dict(n.meta)
+            else:
+                copy = graph.node_copy(n, lambda x: env[x])
+            if annotation is not None:
+                copy.meta[CUSTOM] = dict(annotation)
+            env[n] = copy
+    outs = [env[o] for o in (outputs if isinstance(outputs, (list, tuple)) else (outputs,))]
+    for user in list(call.users):
+        if not (user.op == "call_function" and user.target is operator.getitem):
+            raise AssertionError(f"{call.name} used by {user.name}, not a getitem")
+        index = user.args[1]
+        if not isinstance(index, int):
+            raise AssertionError(f"{user.name} indexes invoke_subgraph {call.name} with {index!r}")
+        user.replace_all_uses_with(outs[index])
+        graph.erase_node(user)
+    graph.erase_node(call)
+    if not attr.users:
+        graph.erase_node(attr)
 
 def find_shared_calls(gm: fx.GraphModule, nested_only: bool = False) -> list[SharedCall]:
     """Region bodies that are one Dynamo-made ``invoke_subgraph`` (any nesting

@@ -32,7 +32,6 @@ import re
 
 import torch
 import torch.fx as fx
-import torch.utils._python_dispatch
 
 from ..analysis import find_effects, storage_key, structural_key
 from ..graph_utils import binds_unbacked_symbols, fetch_attr, getitem_users, is_symbolic, subgraph_attr
