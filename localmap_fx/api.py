@@ -204,7 +204,7 @@ def _register_body(func: Callable) -> int | None:
 #     the wrapper attributes are read on demand (:class:`_FromFunc`,
 #     ``__getattr__``), and the region's name and definition site are worked
 #     out at trace time in real Python from Dynamo's variable for ``func``
-#     (:func:`localmap_fx.capture.plan.identity_in_trace`), handed back as
+#     (:func:`localmap_fx.capture.plan.put_identity` / ``callable_identity``), handed back as
 #     constants.  Everything else in the annotation is placements and flags,
 #     constants already; Dynamo guards on them as usual, so later calls reuse
 #     the compiled frame.

@@ -161,24 +161,22 @@ def _redistribute_checked(arg: DTensor, idx: int, spec: Any, later) -> DTensor:
         ) from None
 
 
-def _check_grad_once(plan: EagerPlan, idx: int, grad: Any, arg: DTensor, flat_args: list, in_grads: Any) -> None:
+def _check_grad_once(plan: EagerPlan, idx: int, grad: Any, arg: DTensor, flat_args: list) -> None:
     """validate.check_grad_spec_fits, once per function, argument and layout."""
     key = (idx, len(arg.placements), arg.ndim)
     seen = plan.grad_fits
     if key not in seen:
-        later = _later_dtensors(flat_args, in_grads, idx)
+        later = _later_dtensors(flat_args, plan.in_grads, idx)
         validate.check_grad_spec_fits(grad, idx, len(arg.placements), arg.ndim, later)
         seen.add(key)
 
 
-def _check_out_once(
-    plan: EagerPlan, idx: int, spec: Any, out: torch.Tensor, mesh, flat_out: list, out_specs: tuple
-) -> None:
+def _check_out_once(plan: EagerPlan, idx: int, spec: Any, out: torch.Tensor, mesh, flat_out: list) -> None:
     """validate.check_out_spec_fits, once per function, output and layout."""
     key = (idx, mesh.ndim, out.ndim)
     seen = plan.out_fits
     if key not in seen:
-        later = _later_tensor_outputs(flat_out, out_specs, idx)
+        later = _later_tensor_outputs(flat_out, plan.out_specs, idx)
         validate.check_out_spec_fits(spec, idx, mesh.ndim, out.ndim, later)
         seen.add(key)
 
@@ -244,7 +242,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 if type(grad) is not tuple:
                     grad = validate.check_dtensor_grad_spec(arg, idx, grad)
                 if not known:
-                    _check_grad_once(plan, idx, grad, arg, flat_args, in_grads)
+                    _check_grad_once(plan, idx, grad, arg, flat_args)
             else:
                 grad = None
             if grad is None and lm.spmd_types:
@@ -350,7 +348,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
         if isinstance(o, DTensor) or not isinstance(o, _Tensor):
             validate.check_output_value(o, idx, spec)
         if isinstance(o, _Tensor):
-            _check_out_once(plan, idx, spec, o, mesh, flat_out, out_specs)
+            _check_out_once(plan, idx, spec, o, mesh, flat_out)
             grad = None if grad_specs is None else grad_specs[idx]
             placements = ready[idx]
             if uneven_in:

@@ -315,9 +315,9 @@ def _probe_end(ctx) -> None:
                 v = node_value(a)
                 if isinstance(v, torch.Tensor):
                     captured |= _storages(v) - arg_storages
-        if not _body_is_pure(tx, new, [o.as_proxy().node for o in outs], probe.inputs):
-            safe = False
-        if not _disjoint(probe.inputs, frozenset(captured)):
+        # the cheap check first: the fake run of the body is only needed when it passes
+        if not _disjoint(probe.inputs, frozenset(captured)) or not _body_is_pure(
+                tx, new, [o.as_proxy().node for o in outs], probe.inputs):
             safe = False
     state.verdicts[probe.key] = _Verdict(safe, frozenset(captured))
 
