@@ -166,7 +166,7 @@ def _measure_cold(mesh, style: str, column: str, n: int) -> dict:
     return {"total_s": total, **phases, "kernels": kernels, "graphs": frames}
 
 
-def cold_worker(plan: dict[str, list[int]], shape_unused: dict | None = None) -> dict:
+def cold_worker(plan: dict[str, list[int]]) -> dict:
     """In a fresh process: every (style, column, depth) once, columns interleaved."""
     from .compile_time import _init_fake_pg, _warm_up
 
@@ -248,17 +248,10 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
 
 # --- driver ----------------------------------------------------------------------
 
-def _loadavg() -> list[float]:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return []
-
-
 def run(cfg: dict, only: set[str] | None = None, log=print) -> dict:
     from localmap_fx.testing.dist import run_ranks
 
-    from .run import _in_fresh_process
+    from .run import _in_fresh_process, _loadavg
 
     res: dict = {"config": cfg, "load_start": _loadavg()}
     t0 = time.perf_counter()

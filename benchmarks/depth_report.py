@@ -112,8 +112,8 @@ def markdown(res: dict) -> str:
     out += ["", "Cold compile per phase (seconds; fake process group of 2, fresh caches, first forward + backward; "
             "B 16, D 32, H 64):", ""]
     out += _phase_table(res)
-    load = f"load average at start {[round(x, 2) for x in res.get('load_start', [])]}, at end " \
-           f"{[round(x, 2) for x in res.get('load_end', [])]}"
+    load = f"load average at start {[round(x, 2) for x in res.get('load_start') or []]}, at end " \
+           f"{[round(x, 2) for x in res.get('load_end') or []]}"
     out += ["", f"Run: `python -m benchmarks.depth_bench` ({'full' if res['config'].get('rounds') == 12 else 'default'} sweep), "
             f"{res.get('run_s', 0):.0f} s; {load}.", ""]
     return "\n".join(out)

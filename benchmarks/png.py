@@ -6,6 +6,7 @@ at the median ratio, a whisker from min to max, a mark at the target.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -193,8 +194,6 @@ def line_chart_png(
             c.text(x0 - 56, y - 4, f"{v:.3g}"[:5], scale=1)
 
         def xpos(x: float, x0: int = x0, xs: list = xs) -> int:
-            import math
-
             if len(xs) == 1:
                 return x0 + pw // 2
             lo, hi = math.log2(xs[0]), math.log2(xs[-1])
@@ -209,10 +208,11 @@ def line_chart_png(
             col = colors.get(name, _BLACK)
             s = sorted(s)
             for (xa, ya), (xb, yb) in zip(s, s[1:]):
-                steps = max(abs(xpos(xb) - xpos(xa)), abs(ypos(yb) - ypos(ya)), 1)
+                pxa, pxb, pya, pyb = xpos(xa), xpos(xb), ypos(ya), ypos(yb)
+                steps = max(abs(pxb - pxa), abs(pyb - pya), 1)
                 for t in range(steps + 1):
-                    px = xpos(xa) + (xpos(xb) - xpos(xa)) * t // steps
-                    py = ypos(ya) + (ypos(yb) - ypos(ya)) * t // steps
+                    px = pxa + (pxb - pxa) * t // steps
+                    py = pya + (pyb - pya) * t // steps
                     c.rect(px - 1, py - 1, px + 2, py + 2, col)
             for x, y in s:
                 c.rect(xpos(x) - 4, ypos(y) - 4, xpos(x) + 5, ypos(y) + 5, col)
