@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import localmap_fx
-from localmap_fx.compiler import AUTO_MIN_LAYERS, LayerCost, layer_sharing_decision
-from localmap_fx.passes.share_layers import find_layer_spans
+from localmap_fx.layer_sharing.decide import AUTO_MIN_LAYERS, LayerCost, Reason, decide
+from localmap_fx.layer_sharing.find import find_layer_spans
 
 from helpers import mesh_1d
 
@@ -44,15 +44,15 @@ def test_auto_weighs_the_piece_price_against_the_layer_compute():
     plan = _plan_of(AUTO_MIN_LAYERS)
     assert len(plan.shared) >= AUTO_MIN_LAYERS - 1
     small = LayerCost(flops=2 * 8 * 16 * 16, device="cpu")
-    why = layer_sharing_decision(plan, "auto", small)
-    assert why is not None and "slower than one graph" in why and "MFLOP" in why
+    why = decide(plan, "auto", small)
+    assert why.reason is Reason.NOT_WORTH_IT and "slower than one graph" in why.text and "MFLOP" in why.text
     # a layer whose compute dwarfs the piece call is shared
     large = LayerCost(flops=10**13, device="cpu")
-    assert large.worth_sharing and layer_sharing_decision(plan, "auto", large) is None
+    assert large.worth_sharing and decide(plan, "auto", large).shares
     # explicit True shares whatever the cost; below the count "auto" never does
-    assert layer_sharing_decision(plan, True, small) is None
-    fewer = _plan_of(3)
-    assert "repeats of a layer" in layer_sharing_decision(fewer, "auto", large)
+    assert decide(plan, True, small).shares
+    fewer = decide(_plan_of(3), "auto", large)
+    assert fewer.reason is Reason.FEW_LAYERS and "repeats of a layer" in fewer.text
 
 
 def test_default_inductor_keeps_a_cheap_deep_stack_whole_and_says_why(tmp_path):
@@ -78,7 +78,7 @@ def test_layer_pieces_exchange_plain_tensors_only():
     from torch.distributed.tensor import DTensor
 
     from localmap_fx.graph_utils import node_value
-    from localmap_fx.passes.share_layers import META_PIECE, pieces_of
+    from localmap_fx.layer_sharing.split import META_PIECE, pieces_of
 
     mesh = mesh_1d()
     model, x = _stack(mesh, 6)
@@ -87,7 +87,7 @@ def test_layer_pieces_exchange_plain_tensors_only():
     def on_stage(name, gm):
         if name == "split_layers":
             seen["outer"] = gm
-            seen["pieces"] = [(n.meta[META_PIECE]["layer"], n.meta[META_PIECE]["key"] is not None,
+            seen["pieces"] = [(n.meta[META_PIECE].layer, n.meta[META_PIECE].key is not None,
                                [type(node_value(a)) for a in n.args],
                                [type(node_value(u)) for u in n.users]) for n in pieces_of(gm)]
 

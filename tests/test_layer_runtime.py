@@ -1,7 +1,7 @@
 """Shared layers run as their compiled forward and backward (issue 21).
 
-:mod:`localmap_fx.compiler.layer_runtime`: a :class:`CompiledLayer` is
-built from what AOTAutograd compiled for a piece, or refused with a reason;
+:mod:`localmap_fx.layer_sharing.runtime`: a :class:`CompiledLayer` is
+built from what AOTAutograd compiled for a piece, or refused (a Refusal);
 consecutive layer calls become one :class:`LayerRun` (one autograd node).
 The run's gradient bookkeeping is checked on hand-written layers against
 eager autograd; the compiled path on a TP stack (fake process group) for
@@ -21,15 +21,17 @@ import torch.fx as fx
 from torch._functorch._aot_autograd.schemas import OutputType
 
 import localmap_fx
-from localmap_fx.compiler.layer_runtime import (
-    CompiledLayer,
-    LayerRun,
-    chain_layer_runs,
-    compiled_layer,
-    find_layer_runs,
-)
+from localmap_fx.compiler.inner import AotGraph
+from localmap_fx.layer_sharing.runs import chain_layer_runs as _chain_layer_runs
+from localmap_fx.layer_sharing.runs import find_layer_runs
+from localmap_fx.layer_sharing.runtime import CompiledLayer, LayerRun, Refusal, Refused, compiled_layer
+from localmap_fx.passes import apply
 
 from helpers import mesh_1d
+
+
+def chain_layer_runs(outer, runs, layer_of):
+    return apply(lambda g: _chain_layer_runs(g, runs, layer_of), outer)
 
 CPU = torch.device("cpu")
 
@@ -320,32 +322,36 @@ def _kept():
     for n in bw.graph.nodes:
         if n.op == "placeholder":
             n.meta["val"] = torch.empty(3)
-    return [("forward", fw, lambda a: fw_f(*a)), ("backward", bw, lambda a: bw_f(*a))]
+    return [AotGraph("forward", fw, lambda a: fw_f(*a)), AotGraph("backward", bw, lambda a: bw_f(*a))]
 
 
-@pytest.mark.parametrize("changes, reason", [
+@pytest.mark.parametrize("changes, code, reason", [
     (dict(input_info=[type("I", (), dict(mutates_data=True, mutates_metadata=False,
-                                         mutates_storage_metadata=False))()]), "writes to an input"),
-    (dict(num_intermediate_bases=1), "aliases"),
-    (dict(tokens={0: None}), "effect tokens"),
-    (dict(subclass_fw_graph_out_meta=[object()]), "tensor subclass"),
-    (dict(is_rng_op_functionalized=True), "RNG is functionalized"),
-    (dict(num_tensors_saved_with_no_vc_check=1), "does not version-check"),
+                                         mutates_storage_metadata=False))()]), Refused.WRITES_INPUT,
+     "writes to an input"),
+    (dict(num_intermediate_bases=1), Refused.ALIASED_OUTPUT, "aliases"),
+    (dict(tokens={0: None}), Refused.EFFECTS, "effect tokens"),
+    (dict(subclass_fw_graph_out_meta=[object()]), Refused.SUBCLASS_OUTPUT, "tensor subclass"),
+    (dict(is_rng_op_functionalized=True), Refused.RNG, "RNG is functionalized"),
+    (dict(num_tensors_saved_with_no_vc_check=1), Refused.UNCHECKED_SAVED, "does not version-check"),
     (dict(output_info=[type("O", (), dict(output_type=OutputType.non_alias, raw_type=torch.Tensor,
-                                          requires_grad_for_backward=False))()]), "1 tangents for 0"),
+                                          requires_grad_for_backward=False))()]), Refused.CALLING_CONVENTION,
+     "1 tangents for 0"),
 ])
-def test_compiled_layer_refuses_what_needs_aotautograds_runtime(changes, reason):
+def test_compiled_layer_refuses_what_needs_aotautograds_runtime(changes, code, reason):
     assert isinstance(compiled_layer(_kept(), _Meta()), CompiledLayer)
     why = compiled_layer(_kept(), _Meta(**changes))
-    assert isinstance(why, str) and reason in why
-    assert "no backward" in compiled_layer(_kept()[:1], _Meta())
+    assert isinstance(why, Refusal) and why.code is code and reason in why.text
+    none = compiled_layer(_kept()[:1], _Meta())
+    assert isinstance(none, Refusal) and none.code is Refused.NO_BACKWARD and "no backward" in none.text
 
 
 def test_a_dtensor_at_the_border_keeps_aotautograds_runtime():
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     dt = distribute_tensor(torch.ones(4), mesh_1d(), [Replicate()])
-    assert compiled_layer(_kept(), _Meta(), border=[torch.ones(4), dt]) == "a DTensor crosses its border"
+    assert compiled_layer(_kept(), _Meta(), border=[torch.ones(4), dt]) == Refusal(
+        Refused.SUBCLASS_AT_BORDER, "a DTensor crosses its border")
     assert isinstance(compiled_layer(_kept(), _Meta(), border=[torch.ones(4), 3]), CompiledLayer)
 
 

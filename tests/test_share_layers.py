@@ -19,19 +19,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
-from localmap_fx.compiler import AUTO_MIN_LAYERS, layer_sharing_decision
+from localmap_fx.analysis import span_io
 from localmap_fx.graph_utils import node_value
-from localmap_fx.passes.share_layers import (
-    META_PIECE,
-    LayerSpan,
-    compute_nodes,
-    find_layer_spans,
-    merge_unshared,
-    span_io,
-    split_layers,
-)
+from localmap_fx.layer_sharing.decide import AUTO_MIN_LAYERS, Decision, Reason, decide
+from localmap_fx.layer_sharing.find import find_layer_spans
+from localmap_fx.layer_sharing.plan import LayerSpan, compute_nodes
+from localmap_fx.layer_sharing.split import META_PIECE, merge_unshared
+from localmap_fx.layer_sharing.split import split_layers as _split_layers
+from localmap_fx.passes import apply
 
 from helpers import mesh_1d
+
+
+def split_layers(gm, plan):
+    return apply(lambda g: _split_layers(g, plan), gm)
 
 
 def _layer_fn(mesh, redistribute_inputs=False):
@@ -145,11 +146,11 @@ def test_tp_stack_last_layer_and_loss_are_one_piece():
     gm = _capture(step, st["x"], st["w1"], st["w2"])
     outer = split_layers(gm, find_layer_spans(gm))
     metas = [n.meta[META_PIECE] for n in outer.graph.nodes if META_PIECE in n.meta]
-    assert [(m["layer"], m["key"] is not None) for m in metas] == [(None, False), (0, True), (1, True), (2, False)]
-    last = outer.get_submodule(metas[-1]["name"])
+    assert [(m.layer, m.key is not None) for m in metas] == [(None, False), (0, True), (1, True), (2, False)]
+    last = outer.get_submodule(metas[-1].name)
     ops = [getattr(n.target, "__name__", str(n.target)) for n in last.graph.nodes if n.op.startswith("call_")]
     assert "sum" in ops, ops  # the loss joined the last layer's piece
-    assert metas[-1]["reason"].endswith("with the tail")
+    assert metas[-1].reason.endswith("with the tail")
 
 
 def test_finder_without_repeats_says_why():
@@ -215,7 +216,7 @@ def test_mutating_layer_stays_inline_with_reason():
     plan = find_layer_spans(_capture(step, x, ws))
     assert len(plan.spans) == 3
     assert all(s.key is None and "in place (mul_)" in s.reason for s in plan.spans)
-    assert layer_sharing_decision(plan, True) is not None
+    assert decide(plan, True).reason is Reason.NO_SHARED_LAYER
 
 
 def test_layer_returning_a_view_of_its_input_stays_inline_with_reason():
@@ -249,8 +250,8 @@ def test_split_gives_equal_pieces_for_equal_keys_and_runs_like_the_graph():
     metas = [c.meta[META_PIECE] for c in calls]
     # the model input's to_local (later layers get local values: fuse_boundaries),
     # three layers, then the tail
-    assert [m["layer"] for m in metas] == [None, 0, 1, 2, None]
-    assert len({m["key"] for m in metas[1:4]}) == 1
+    assert [m.layer for m in metas] == [None, 0, 1, 2, None]
+    assert len({m.key for m in metas[1:4]}) == 1
     ops = [[(n.op, str(n.target)) for n in getattr(outer, c.target).graph.nodes if n.op != "placeholder"]
            for c in calls[1:4]]
     assert ops[0] == ops[1] == ops[2]
@@ -302,9 +303,10 @@ def test_auto_policy_shares_from_the_threshold_on():
     for n, expect in ((AUTO_MIN_LAYERS - 1, False), (AUTO_MIN_LAYERS, True)):
         x, ws, bs = _state(mesh, n)
         plan = find_layer_spans(_capture(_step(_layer_fn(mesh)), x, ws, bs))
-        assert (layer_sharing_decision(plan, "auto") is None) == expect, n
-        assert layer_sharing_decision(plan, True) is None
-        assert layer_sharing_decision(plan, False) == "share_layers=False"
+        assert decide(plan, "auto").shares == expect, n
+        assert decide(plan, "auto").reason is (Reason.SHARE if expect else Reason.FEW_LAYERS), n
+        assert decide(plan, True).shares
+        assert decide(plan, False) == Decision(Reason.OFF, "share_layers=False")
 
 
 def test_inductor_generates_kernels_once_per_distinct_layer():

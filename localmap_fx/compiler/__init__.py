@@ -1,8 +1,9 @@
-"""The ``localmap_fx`` Dynamo backend: options, pipeline, inner compilers, pieces.
+"""The ``localmap_fx`` Dynamo backend: options, pipeline, observers, inner compilers.
 
 ``localmap_fx.backend(...)`` builds a backend from :class:`BackendOptions`;
 the name ``"localmap_fx"`` is :func:`localmap_fx_backend` (the defaults).
-The stages a frame goes through are listed in :mod:`.pipeline`.
+The stages a frame goes through are listed in :mod:`.pipeline`; sharing a
+repeated layer is :mod:`localmap_fx.layer_sharing`.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ from typing import Any
 import torch.fx as fx
 
 from .options import INNER_COMPILERS, BackendOptions
-from .pipeline import AUTO_MAX_OVERHEAD, AUTO_MIN_LAYERS, STAGES, LayerCost, compile_graph, layer_sharing_decision
+from .pipeline import STAGES, compile_graph
 
 __all__ = [
-    "AUTO_MAX_OVERHEAD",
-    "AUTO_MIN_LAYERS",
     "BackendOptions",
-    "LayerCost",
     "INNER_COMPILERS",
     "STAGES",
     "backend",
     "compile_graph",
-    "layer_sharing_decision",
     "localmap_fx_backend",
     "options_from",
 ]

@@ -2,48 +2,70 @@
 
 :data:`INNER` is the table; :func:`inner_compiler` returns the compile
 function for a :class:`BackendOptions`.  Every AOT-based entry reports its
-forward and backward graphs through ``opts.on_aot_graph``.
+forward and backward graphs (and Inductor its compiled modules) to the
+compile's :class:`~localmap_fx.compiler.observe.Observer`.
 
-``compile_one(gm, example_inputs, keep=list)`` also appends
-``(kind, graph, compiled)`` for the forward and the backward AOT graph to
-``keep`` and compiles the backward at once (not at the first backward
-call): :mod:`localmap_fx.compiler.layer_runtime` calls them directly.
+``compile_one(gm, example_inputs, aot_graphs=True)`` returns, beside the
+callable, the forward and backward AOT graphs with their compiled callables
+(:class:`AotGraph`), and compiles the backward at once (not at the first
+backward call): :mod:`localmap_fx.layer_sharing.runtime` calls them directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
 
+from .observe import Observer
 from .options import INNER_COMPILERS, BackendOptions
 
-__all__ = ["INNER", "CompileOne", "inner_compiler"]
-
-OnOutput = Callable[[str, Any], None] | None
-Kept = list[tuple[str, fx.GraphModule, Callable]] | None
-# compile_one(gm, example_inputs, keep=None) -> a callable running gm
-CompileOne = Callable[[fx.GraphModule, list[Any], Kept], Callable]
+__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "inner_compiler"]
 
 
-def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
+@dataclasses.dataclass(frozen=True)
+class AotGraph:
+    """One AOTAutograd graph as the inner compiler received it, and its compiled callable."""
+
+    kind: str  # "forward" | "backward"
+    graph: fx.GraphModule
+    compiled: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What ``compile_one`` returns: the callable running the graph and, when
+    asked for (``aot_graphs=True``), its AOT graphs in the order compiled."""
+
+    fn: Callable
+    aot_graphs: tuple[AotGraph, ...] = ()
+
+
+# AOTAutograd hands its graphs to callbacks; the compile function appends
+# them here (None: not asked for)
+Kept = list[AotGraph] | None
+# compile_one(gm, example_inputs, aot_graphs=False) -> Compiled
+CompileOne = Callable[..., Compiled]
+
+
+def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
            keep: Kept = None):
     return gm.forward
 
 
-def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
                keep: Kept = None):
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
     def recorder(kind: str):
         def compile_graph(g: fx.GraphModule, _inputs):
-            if opts.on_aot_graph is not None:
-                opts.on_aot_graph(kind, g)
+            observer.aot_graph(kind, g)
             compiled = make_boxed_func(g.forward)
             if keep is not None:
-                keep.append((kind, g, compiled))
+                keep.append(AotGraph(kind, g, compiled))
             return compiled
 
         return compile_graph
@@ -54,7 +76,7 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
         )
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
               keep: Kept = None):
     import torch
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -67,13 +89,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         # The AOT-graph stage of the pipeline (see compiler.pipeline.STAGES):
         # Inductor plans buffers as if subgraph outputs never alias inputs.
         g = apply(hoist_subgraph_views, g)
-        if opts.on_aot_graph is not None:
-            opts.on_aot_graph(kind, g)
+        observer.aot_graph(kind, g)
         compiled = compile_fx_inner(g, inputs, **kwargs)
-        if on_output is not None:
-            on_output(kind, compiled)
+        observer.inner_output(kind, compiled)
         if keep is not None:
-            keep.append((kind, g, compiled))
+            keep.append(AotGraph(kind, g, compiled))
         return compiled
 
     # AOTAutograd's cache is keyed on this graph, not on inner_compile: a hit could
@@ -108,11 +128,14 @@ if tuple(INNER) != INNER_COMPILERS:
     raise AssertionError(f"inner compiler table {tuple(INNER)} != BackendOptions' names {INNER_COMPILERS}")
 
 
-def inner_compiler(opts: BackendOptions, on_output: OnOutput = None) -> CompileOne:
-    """``compile_one(gm, example_inputs)`` for ``opts.inner``."""
+def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> CompileOne:
+    """``compile_one(gm, example_inputs, aot_graphs=False) -> Compiled`` for ``opts.inner``."""
     compile_fn = INNER[opts.inner]
+    watch = observer if observer is not None else Observer()
 
-    def compile_one(gm: fx.GraphModule, example_inputs: list[Any], keep: Kept = None):
-        return compile_fn(gm, example_inputs, opts, on_output, keep)
+    def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
+        keep: Kept = [] if aot_graphs else None
+        fn = compile_fn(gm, example_inputs, opts, watch, keep)
+        return Compiled(fn, tuple(keep) if keep is not None else ())
 
     return compile_one

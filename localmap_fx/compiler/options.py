@@ -20,8 +20,12 @@ class BackendOptions:
         inner: the compiler that receives the lowered graph: ``"inductor"``
             (default), ``"aot_eager"`` (AOTAutograd, no codegen: bitwise equal
             to eager) or ``"eager"`` (run the lowered FX graph as is).
-        outline: outline region bodies into shared ``invoke_subgraph`` calls
-            so repeated regions compile once (default True).
+        outline: with ``share_layers=False``, outline region bodies into
+            shared ``invoke_subgraph`` calls so a repeated body compiles once
+            (default True).  With layer sharing on (``True`` / ``"auto"``)
+            bodies always stay inline, whatever this says: a shared layer is
+            compiled once anyway (Note: [Outline or inline, decided once] in
+            :mod:`localmap_fx.compiler.pipeline`).
         fuse_boundaries: drop ``from_local -> to_local`` pairs between
             adjacent regions whose placements and grad placements already
             match (default True).
@@ -41,9 +45,11 @@ class BackendOptions:
             ``None`` (default) reads ``$LOCALMAP_FX_DUMP_DIR``, unset = off.
         share_layers: compile a repeated layer (its regions and the DTensor
             code between them) once and call the compiled piece per layer
-            (``True``); keep the whole frame one graph (``False``); or decide
-            from the number of repeats (``"auto"``, default; see
-            :func:`layer_sharing_decision` and ``docs/design.md``).
+            (``True``); keep the whole frame one graph (``False``); or let
+            :func:`localmap_fx.layer_sharing.decide.decide` choose (``"auto"``,
+            default): at least 8 repeats, no DTensor left crossing a layer
+            border, and under inductor a layer big enough that the per-layer
+            call price is lost in its compute (see ``docs/design.md``).
     """
 
     inner: str = "inductor"

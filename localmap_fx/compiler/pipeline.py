@@ -1,8 +1,11 @@
 """``torch.compile(model, backend="localmap_fx")``: every stage a frame goes through.
 
-:data:`STAGES` lists them in order; :func:`compile_graph` runs them, the dump
-(:mod:`localmap_fx.debug.dump`) names its files after them and
-``docs/design.md`` draws them::
+:data:`STAGES` lists them in order and :func:`compile_graph` runs exactly
+that table; the dump (:mod:`localmap_fx.debug.dump`) names its files after
+them and ``docs/design.md`` draws them.  Every stage reports to one
+:class:`~localmap_fx.compiler.observe.Observer` (the dump, the logs and the
+user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
+``PassResult`` pass run by :func:`localmap_fx.passes.run_passes`::
 
     captured             the Dynamo graph: DTensor level, regions annotated (capture/)
     bodies               outline_regions        share_layers=False and outline=True
@@ -10,16 +13,17 @@
     lower_boundaries     explicit to_local/from_local, redistribute plans, grad
                          placements, compile-time SPMD check (lowering/, spmd/)
     fuse_boundaries      drop from_local -> to_local pairs between regions (if on)
-    plan_layers          find repeated layers; layer_sharing_decision says whether
-                         to split (share_layers True/"auto"; under inductor "auto"
-                         weighs the run-time price of pieces, layer_cost)
+    plan_layers          find repeated layers; layer_sharing.decide.decide says
+                         whether to split (share_layers True/"auto"; under
+                         inductor "auto" weighs the run-time price of pieces)
     plain_borders        a Replicate DTensor crossing a layer border travels as
-                         its region's local tensor (when the plan shares)
+                         its region's local tensor (when the frame is split)
     split_layers         one piece per layer, pieces with one key compiled once
-    inner compiler       inductor | aot_eager | eager (compiler/inner.py), per piece
+    inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
-                         hoist_subgraph_views; consecutive shared layers then run
-                         as one LayerRun (compiler/layer_runtime.py)
+                         hoist_subgraph_views
+    layer_runs           consecutive shared layers run as one LayerRun
+                         (layer_sharing/runs.py)
 
 Note: [Outline or inline, decided once]
     A shared layer piece is compiled once anyway, and an outlined body is a
@@ -33,9 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 
 from ..lowering import lower_boundaries as _lower_boundaries
@@ -43,42 +46,53 @@ from ..passes import Pass, PassResult, run_passes
 from ..passes.fuse_boundaries import fuse_boundaries
 from ..passes.inline_shared_bodies import inline_shared_bodies
 from ..passes.outline_regions import outline_regions
-from .inner import inner_compiler
+from .inner import CompileOne, inner_compiler
+from .observe import Observer, Observers, UserHooks
 from .options import BackendOptions
 
-__all__ = [
-    "STAGES",
-    "Stage",
-    "graph_passes",
-    "compile_graph",
-    "layer_sharing_decision",
-    "layer_cost",
-    "LayerCost",
-    "AUTO_MIN_LAYERS",
-    "AUTO_MAX_OVERHEAD",
-]
+if TYPE_CHECKING:
+    from ..layer_sharing.borders import PlainBorderPlan
+    from ..layer_sharing.compile import PieceReport
+    from ..layer_sharing.decide import Decision
+    from ..layer_sharing.plan import LayerPlan
+
+__all__ = ["STAGES", "Stage", "graph_passes", "compile_graph"]
+
+
+@dataclasses.dataclass
+class Frame:
+    """One frame on its way through :data:`STAGES`: what the stages so far made of it."""
+
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+    opts: BackendOptions
+    observer: Observer
+    compile_one: CompileOne
+    plan: LayerPlan | None = None
+    decision: Decision | None = None
+    borders: PlainBorderPlan | None = None
+    reports: list[PieceReport] | None = None
+    compiled: Callable | None = None
+
+    def run(self, name: str, p: Pass) -> None:
+        """Run the rewrite ``p`` as the stage ``name``: through the runner, observed."""
+        self.gm = run_passes(self.gm, [p])
+        self.observer.stage(name, self.gm)
+
+    @property
+    def split(self) -> bool:
+        return self.decision is not None and self.decision.shares
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One stage of the pipeline: its name, what it does, when it runs."""
+    """One stage of the pipeline: its name, what it does, when it runs, and the step itself."""
 
     name: str
     what: str
     runs_when: str
-
-
-STAGES: tuple[Stage, ...] = (
-    Stage("captured", "the graph Dynamo captured", "always"),
-    Stage("outline_regions", "region bodies become shared invoke_subgraph calls", "share_layers=False, outline=True"),
-    Stage("inline_shared_bodies", "bodies capture shared are put back inline", "otherwise"),
-    Stage("lower_boundaries", "explicit boundaries, redistribute plans, grad placements", "always"),
-    Stage("fuse_boundaries", "from_local -> to_local pairs between regions dropped", "fuse_boundaries=True"),
-    Stage("plan_layers", "repeated layers found; split or keep whole", "share_layers True or 'auto'"),
-    Stage("plain_borders", "a Replicate DTensor crosses layer borders as a local tensor", "the plan shares"),
-    Stage("split_layers", "one piece per layer; one compile per layer key", "the plan shares"),
-    Stage("inner", "the inner compiler, per piece or whole", "always"),
-)
+    when: Callable[[Frame], bool]
+    step: Callable[[Frame], None]
 
 
 def _outlines(opts: BackendOptions) -> bool:
@@ -86,186 +100,134 @@ def _outlines(opts: BackendOptions) -> bool:
     return opts.outline and opts.share_layers is False
 
 
-def graph_passes(opts: BackendOptions) -> list[Pass]:
-    """The graph-to-graph stages of :data:`STAGES` that ``opts`` turns on, in order."""
-
+def _lower(opts: BackendOptions) -> Pass:
     def lower_boundaries(gm: fx.GraphModule) -> PassResult:
         return _lower_boundaries(gm, typecheck=opts.typecheck)
 
-    ps: list[Pass] = [outline_regions if _outlines(opts) else inline_shared_bodies, lower_boundaries]
+    return lower_boundaries
+
+
+def graph_passes(opts: BackendOptions) -> list[Pass]:
+    """The graph-to-graph passes :data:`STAGES` runs before layers are planned, in order."""
+    ps: list[Pass] = [outline_regions if _outlines(opts) else inline_shared_bodies, _lower(opts)]
     if opts.fuse_boundaries:
         ps.append(fuse_boundaries)
     return ps
 
 
-# Note: [When "auto" shares layers]
-#     A shared layer saves the AOT trace and the kernel compilation of every
-#     repeat.  At run time the layers of a frame are one LayerRun (Note: [A
-#     run of layers] in compiler/layer_runtime.py): the compiled forward and
-#     backward of the layer called once per layer, no per-layer autograd
-#     node or DTensor wrapping.  What is left is two calls into compiled
-#     code per layer and no kernel fusion across a layer border, a price per
-#     layer that one graph never pays (measured: about 15 us per layer per
-#     step on a CPU, fake process group, 64-layer TP stack; it was ~80 us
-#     through AOTAutograd's runtime wrappers per piece).  A default may never
-#     make the compiled step slower than upstream torch.compile, so under
-#     inductor "auto" shares only when that price is lost in the layer's own
-#     compute: at least AUTO_MIN_LAYERS layers *and* PIECE_OVERHEAD_S[device]
-#     at most AUTO_MAX_OVERHEAD of the layer's estimated forward + backward
-#     time (3x the forward FLOPs of its matrix products at
-#     ASSUMED_FLOPS[device]).  The estimate errs towards one graph: only
-#     matrix products count and the assumed throughput is high.  It assumes
-#     the layer runs as a CompiledLayer; one that needs AOTAutograd's runtime
-#     (compiled_layer says why, the dump shows it) pays the old price.  Under
-#     aot_eager / eager (not run-time modes) the count alone decides.
-AUTO_MIN_LAYERS = 8
-AUTO_MAX_OVERHEAD = 0.01
-# seconds per layer call, forward + backward, in a LayerRun (CPU:
-# 64-layer nn.Module TP stack, fake process group, shared vs one graph;
-# other devices: the same Python work, kernel launches are asynchronous)
-PIECE_OVERHEAD_S = {"cpu": 1.5e-5, "cuda": 1.5e-5}
-# FLOP/s assumed for the layer's matrix products (high on purpose)
-ASSUMED_FLOPS = {"cpu": 1e11, "cuda": 1e14}
+def _plan_layers(f: Frame) -> None:
+    from ..layer_sharing.borders import dtensors_at_borders, find_plain_borders
+    from ..layer_sharing.decide import decide, layer_cost
+    from ..layer_sharing.find import find_layer_spans
+    from ..layer_sharing.plan import LayerPlan
+
+    share = f.opts.share_layers
+    try:
+        plan = find_layer_spans(f.gm)
+    except KeyError as e:
+        # A safety net, no known case: the graph is valid, so compile it whole and say why.
+        plan = LayerPlan(0, 0, (), f"regions not recoverable ({e!r})")
+    # Note: [When "auto" shares layers]
+    cost = layer_cost(f.gm, plan) if f.opts.inner == "inductor" and share == "auto" else None
+    # Note: [A DTensor at a layer border costs a collective]
+    borders = find_plain_borders(f.gm, plan) if plan.shared else None
+    # Note: [No DTensor at an automatic border]
+    crossing = dtensors_at_borders(f.gm, plan, borders) if share == "auto" and borders is not None else ()
+    f.plan, f.borders, f.decision = plan, borders, decide(plan, share, cost, crossing)
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerCost:
-    """What one shared layer would compute next to what its piece call costs."""
+def _plain_borders(f: Frame) -> None:
+    from ..layer_sharing.borders import apply_plain_borders
+    from ..layer_sharing.decide import Decision, Reason
+    from ..layer_sharing.find import find_layer_spans
 
-    flops: int  # forward FLOPs of the layer's matrix products
-    device: str
+    borders = f.borders
 
-    @property
-    def layer_s(self) -> float:
-        return 3 * self.flops / ASSUMED_FLOPS.get(self.device, ASSUMED_FLOPS["cuda"])
+    def plain_borders(gm: fx.GraphModule) -> PassResult:
+        return apply_plain_borders(gm, borders)
 
-    @property
-    def overhead_s(self) -> float:
-        return PIECE_OVERHEAD_S.get(self.device, PIECE_OVERHEAD_S["cuda"])
-
-    @property
-    def worth_sharing(self) -> bool:
-        return self.overhead_s <= AUTO_MAX_OVERHEAD * self.layer_s
-
-    def text(self) -> str:
-        return (f"a layer computes ~{self.flops / 1e6:.3g} MFLOP forward (~{self.layer_s * 1e3:.3g} ms fwd+bwd "
-                f"at {ASSUMED_FLOPS.get(self.device, ASSUMED_FLOPS['cuda']):.0e} FLOP/s on {self.device}), "
-                f"a piece call costs ~{self.overhead_s * 1e3:.2g} ms "
-                f"({self.overhead_s / max(self.layer_s, 1e-12):.0%} of it, limit {AUTO_MAX_OVERHEAD:.0%})")
+    f.run("plain_borders", plain_borders)
+    # the rewrite moved nodes: the layers are found again on the new graph
+    f.plan = find_layer_spans(f.gm)
+    if not f.plan.shared:
+        # a safety net, no known case: the rewrite is the identity in forward
+        f.decision = Decision(Reason.NO_SHARED_LAYER, f.plan.reason or "no two layers share a key")
 
 
-def layer_cost(gm: fx.GraphModule, plan) -> LayerCost | None:
-    """The :class:`LayerCost` of ``plan``'s first shared layer, None if none."""
-    from ..graph_utils import node_value
-    from ..passes.share_layers import compute_nodes, span_flops
+def _split_layers(f: Frame) -> None:
+    from ..layer_sharing.split import split_layers
 
-    if not plan.shared:
-        return None
-    span = plan.shared[0]
-    nodes = compute_nodes(gm, plan.hoisted)[span.start:span.stop]
-    device = "cpu"
-    for n in nodes:
-        v = node_value(n)
-        if isinstance(v, torch.Tensor):
-            device = v.device.type
-            break
-    return LayerCost(span_flops(nodes), device)
+    plan = f.plan
+
+    def split(gm: fx.GraphModule) -> PassResult:
+        return split_layers(gm, plan)
+
+    f.observer.lowered(f.gm)
+    f.run("split_layers", split)
 
 
-def layer_sharing_decision(plan, share_layers: bool | str, cost: LayerCost | None = None,
-                           dtensor_borders: Sequence[str] = ()) -> str | None:
-    """None to split ``plan`` into shared pieces, else why the graph stays whole.
+def _inner(f: Frame) -> None:
+    if not f.split:
+        f.observer.lowered(f.gm)
+        if f.decision is not None:
+            f.observer.layers(f.plan, f.decision, None)
+        f.compiled = f.compile_one(f.gm, f.example_inputs).fn
+        return
+    from ..layer_sharing.compile import compile_pieces
 
-    ``cost`` (given under inductor) makes "auto" weigh run time too (Note:
-    [When "auto" shares layers]); ``dtensor_borders`` names DTensors that
-    would cross layer borders (Note: [No DTensor at an automatic border]).
-    """
-    if share_layers is False:
-        return "share_layers=False"
-    if not plan.shared:
-        return plan.reason or "no two layers share a key"
-    if share_layers == "auto":
-        # layers found (the last one may be its own piece: Note: [Where layers are cut])
-        most = len(plan.spans)
-        if most < AUTO_MIN_LAYERS:
-            return (f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "
-                    "one graph fuses across layer borders")
-        if dtensor_borders:
-            shown = ", ".join(dtensor_borders[:3]) + (", ..." if len(dtensor_borders) > 3 else "")
-            return (f"share_layers='auto': {most} layers, but DTensors would cross the layer borders ({shown}): "
-                    "each layer would unwrap and wrap them and turn their gradients into the traced "
-                    "placements every step, summing gradients in another order than one graph "
-                    "(share_layers=True shares anyway)")
-        if cost is not None and not cost.worth_sharing:
-            return (f"share_layers='auto': {most} layers, but pieces would run slower than one graph: "
-                    f"{cost.text()}")
-    return None
+    f.reports = compile_pieces(f.gm, f.compile_one)
 
 
-# Note: [No DTensor at an automatic border]
-#     A layer whose border a DTensor crosses (weights used as DTensors outside
-#     the layer's regions, a residual the plain borders cannot pass) runs
-#     through AOTAutograd's runtime: subclass unwrap/wrap per layer and step,
-#     and a gradient coerced to the traced tangent placements at every border
-#     (an all_reduce where the layer produces Partial), so it is slower than
-#     one graph and its aot_eager gradients differ from eager in the last bits
-#     as regional compilation's do (found on a torchtitan-shaped attention
-#     stack: 1.1e-8 off eager at 8 layers, where one graph is bitwise).  "auto"
-#     keeps such a frame whole; share_layers=True still shares it.
+def _layer_runs(f: Frame) -> None:
+    from ..layer_sharing.compile import layer_runs, with_runs
+
+    f.run("layer_runs", layer_runs)
+    f.reports = with_runs(f.reports or [], f.gm)
+    f.observer.layers(f.plan, f.decision, f.reports)
+    f.compiled = f.gm.forward
+
+
+def _pass(name: str, p: Callable[[BackendOptions], Pass]) -> Callable[[Frame], None]:
+    return lambda f: f.run(name, p(f.opts))
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("captured", "the graph Dynamo captured", "always",
+          lambda f: True, lambda f: f.observer.stage("captured", f.gm)),
+    Stage("outline_regions", "region bodies become shared invoke_subgraph calls", "share_layers=False, outline=True",
+          lambda f: _outlines(f.opts), _pass("outline_regions", lambda o: outline_regions)),
+    Stage("inline_shared_bodies", "bodies capture shared are put back inline", "otherwise",
+          lambda f: not _outlines(f.opts), _pass("inline_shared_bodies", lambda o: inline_shared_bodies)),
+    Stage("lower_boundaries", "explicit boundaries, redistribute plans, grad placements", "always",
+          lambda f: True, _pass("lower_boundaries", _lower)),
+    Stage("fuse_boundaries", "from_local -> to_local pairs between regions dropped", "fuse_boundaries=True",
+          lambda f: f.opts.fuse_boundaries, _pass("fuse_boundaries", lambda o: fuse_boundaries)),
+    Stage("plan_layers", "repeated layers found; decide() splits or keeps whole", "share_layers True or 'auto'",
+          lambda f: f.opts.share_layers is not False, _plan_layers),
+    Stage("plain_borders", "a Replicate DTensor crosses layer borders as a local tensor",
+          "the frame is split and such a DTensor crosses",
+          lambda f: f.split and f.borders is not None and bool(f.borders.steps), _plain_borders),
+    Stage("split_layers", "one piece per layer; one compile per layer key", "the frame is split",
+          lambda f: f.split, _split_layers),
+    Stage("inner", "the inner compiler, per piece or whole", "always", lambda f: True, _inner),
+    Stage("layer_runs", "consecutive compiled layers run as one LayerRun", "the frame is split",
+          lambda f: f.split, _layer_runs),
+)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
     """Run :data:`STAGES` on a Dynamo graph; returns the compiled callable."""
     from ..debug.dump import inspector_for
-    from ..passes.share_layers import (
-        LayerPlan,
-        apply_plain_borders,
-        dtensors_at_borders,
-        find_layer_spans,
-        find_plain_borders,
-        split_layers,
-    )
-    from .pieces import compile_pieces
 
-    # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions: observe every stage
-    # through the same hooks, before the user's (see localmap_fx.debug).
+    # Dumps / TORCH_TRACE / TORCH_LOGS=localmap_fx_regions observe every
+    # stage through the same interface, before the user's hooks.
     inspector = inspector_for(opts)
-    if inspector is not None:
-        opts = inspector.wrap(opts)
-    if opts.on_stage is not None:
-        opts.on_stage("captured", gm)
-    gm = run_passes(gm, graph_passes(opts), opts.on_stage)
-    if inspector is not None:
-        inspector.lowered(gm)
-    compile_one = inner_compiler(opts, inspector.on_inner_output if inspector is not None else None)
-    if opts.share_layers is False:
-        return compile_one(gm, list(example_inputs), None)
-    try:
-        plan = find_layer_spans(gm)
-    except KeyError as e:
-        # A safety net, no known case: the graph is valid, so compile it whole and say why.
-        plan = LayerPlan(0, 0, (), f"regions not recoverable ({e!r})")
-    # Note: [When "auto" shares layers]
-    cost = layer_cost(gm, plan) if opts.inner == "inductor" and opts.share_layers == "auto" else None
-    why_whole = layer_sharing_decision(plan, opts.share_layers, cost)
-    if why_whole is None:
-        # Note: [A DTensor at a layer border costs a collective]
-        borders = find_plain_borders(gm, plan)
-        if opts.share_layers == "auto":
-            # Note: [No DTensor at an automatic border]
-            why_whole = layer_sharing_decision(plan, "auto", cost, dtensors_at_borders(gm, plan, borders))
-        if why_whole is None and borders.steps:
-            gm = apply_plain_borders(gm, borders)
-            plan = find_layer_spans(gm)
-            why_whole = layer_sharing_decision(plan, opts.share_layers, cost)
-    if why_whole is not None:
-        if inspector is not None:
-            inspector.pieces(plan, None, why_whole)
-        return compile_one(gm, list(example_inputs), None)
-    outer = split_layers(gm, plan)
-    if opts.on_stage is not None:
-        opts.on_stage("split_layers", outer)
-    outer, reports = compile_pieces(outer, compile_one)
-    if inspector is not None:
-        inspector.pieces(plan, reports, None)
-    return outer.forward
+    user = UserHooks(opts.on_stage, opts.on_aot_graph)
+    observer = Observers([inspector, user]) if inspector is not None else user
+    frame = Frame(gm, list(example_inputs), opts, observer, inner_compiler(opts, observer))
+    for stage in STAGES:
+        if stage.when(frame):
+            stage.step(frame)
+    if frame.compiled is None:
+        raise AssertionError("the pipeline's stages compiled nothing")
+    return frame.compiled

@@ -5,8 +5,9 @@
     <dump_dir>/rank0-frame0-0/          one folder per compiled frame (rank, Dynamo compile id)
         captured_graph.txt              the graph Dynamo gave the backend
         region_0.txt ...                each region: header (RegionSpec, call site) + body at local shapes
-        pass_<name>.txt                 the graph after each pass
-        lowered_graph.txt               what the inner compiler received
+        pass_<name>.txt                 the graph after each stage that rewrites it
+        lowered_graph.txt               what the inner compiler received (a frame split
+                                        into layers: the graph cut into its pieces)
         aot_forward.txt                 AOTAutograd forward graph   (inner = aot_eager / inductor)
         aot_backward.txt                AOTAutograd backward graph  (written at the first backward)
         inductor_forward.txt ...        where Inductor wrote the generated code (inner = inductor)
@@ -27,7 +28,6 @@ Note: [Safe writing]
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..compiler.observe import Observer
 from ..errors import region_error
 from ..region import META_REGION_ID, find_regions
 from . import logs, report, tables
@@ -150,9 +151,10 @@ _FILE_DOC = {
 }
 
 
-class FrameInspector:
+class FrameInspector(Observer):
     """Collects one compiled frame's graphs and tables; writes them to its sinks.
 
+    An :class:`~localmap_fx.compiler.observe.Observer` of the pipeline.
     Sinks: a :class:`FrameFolder` (``folder``, optional), the structured trace
     (``TORCH_TRACE``) and the ``localmap_fx_regions`` log artifact.
     """
@@ -214,9 +216,9 @@ class FrameInspector:
             self.summary["errors"].append(msg)
             warnings.warn(f"localmap_fx dump: {msg}", stacklevel=2)
 
-    # -- hooks ------------------------------------------------------------------
+    # -- the Observer's hooks ------------------------------------------------------
 
-    def on_stage(self, name: str, gm: fx.GraphModule) -> None:
+    def stage(self, name: str, gm: fx.GraphModule) -> None:
         self._guard(f"stage {name}", lambda: self._stage(name, gm))
         self._write_summary(trace=False)
 
@@ -248,17 +250,18 @@ class FrameInspector:
             tag_regions(regions)
 
     def lowered(self, gm: fx.GraphModule) -> None:
-        """The graph the inner compiler receives (after every pass)."""
+        """The graph the inner compiler receives (after every rewrite), or the one cut into pieces."""
         self._guard("lowered graph", lambda: self._emit("lowered_graph.txt", lambda: tables.graph_text(gm), _FILE_DOC["lowered_graph.txt"]))
         logs.log_regions(self._regions_log_text)
         self._write_summary(trace=True)
 
-    def pieces(self, plan, reports, why_whole) -> None:
-        """Which layers share one compiled piece (see passes.share_layers)."""
-        self._guard("pieces", lambda: self.summary.__setitem__("pieces", tables.piece_rows(plan, reports, why_whole)))
+    def layers(self, plan, decision, pieces) -> None:
+        """Which layers share one compiled piece (see localmap_fx.layer_sharing)."""
+        self._guard("pieces", lambda: self.summary.__setitem__(
+            "pieces", tables.piece_rows(plan, pieces, decision.why_whole)))
         self._write_summary(trace=True)
 
-    def on_aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
+    def aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
         def step() -> None:
             n = self._counts.get(kind, 0)
             self._counts[kind] = n + 1
@@ -272,7 +275,7 @@ class FrameInspector:
         self._guard(f"AOT {kind} graph", step)
         self._write_summary(trace=True)
 
-    def on_inner_output(self, kind: str, compiled: Any) -> None:
+    def inner_output(self, kind: str, compiled: Any) -> None:
         """A pointer to what the inner compiler produced (Inductor's code file)."""
 
         def step() -> None:
@@ -297,24 +300,6 @@ class FrameInspector:
         head = f"localmap_fx regions of frame {self.summary['frame']}:\n"
         table = "\n".join(report.region_table(self.summary["regions"])) if self.summary["regions"] else "(none)"
         return head + table + "\n\n" + "\n".join(self._region_texts)
-
-    # -- composition with the user's hooks ---------------------------------------
-
-    def wrap(self, opts):
-        """``opts`` with ``on_stage`` / ``on_aot_graph`` that call this inspector, then the user's."""
-        user_stage, user_aot = opts.on_stage, opts.on_aot_graph
-
-        def on_stage(name: str, gm: fx.GraphModule) -> None:
-            self.on_stage(name, gm)
-            if user_stage is not None:
-                user_stage(name, gm)
-
-        def on_aot_graph(kind: str, gm: fx.GraphModule) -> None:
-            self.on_aot_graph(kind, gm)
-            if user_aot is not None:
-                user_aot(kind, gm)
-
-        return dataclasses.replace(opts, on_stage=on_stage, on_aot_graph=on_aot_graph)
 
 
 def _constant(text: str) -> Callable[[], str]:

@@ -1,20 +1,24 @@
 """Compile the pieces of a split graph, once per distinct layer.
 
-:func:`localmap_fx.passes.share_layers.split_layers` turns one Dynamo graph
-into an outer graph that calls ``piece_<i>`` submodules.  Here every piece
-is handed to the inner compiler (AOTAutograd + Inductor, or AOTAutograd
-alone) with the fake values Dynamo recorded for its inputs; pieces whose
-layer key is equal reuse the first one's compiled callable, so AOT tracing,
-partitioning, code generation and C++/Triton compilation happen once per
-distinct layer.  The outer graph then runs as plain Python, calling the
-compiled pieces in order (as DDPOptimizer does with its buckets).
+:func:`~.split.split_layers` turns one Dynamo graph into an outer graph
+that calls ``piece_<i>`` submodules.  Here every piece is handed to the
+inner compiler (AOTAutograd + Inductor, or AOTAutograd alone) with the fake
+values Dynamo recorded for its inputs; pieces whose layer key is equal
+reuse the first one's :class:`CompiledPiece`, so AOT tracing, partitioning,
+code generation and C++/Triton compilation happen once per distinct layer.
+The outer graph then runs as plain Python, calling the compiled pieces in
+order (as DDPOptimizer does with its buckets); :func:`layer_runs` (a pass)
+makes consecutive layers one :class:`~.runtime.LayerRun`.
 
 Note: [One TracingContext per piece]
     Dynamo holds one TracingContext per frame; AOTAutograd stores the
     forward metadata of the graph it compiles there, and the lazily
     compiled backward reads it back.  With several AOT graphs per frame the
     last one would win, so each piece is compiled under a TracingContext of
-    its own (sharing Dynamo's fake mode and shape environment).
+    its own (sharing Dynamo's fake mode and shape environment).  That
+    context is also the only place AOTAutograd leaves a piece's metadata
+    (``fw_metadata``), which :func:`compiled_layer` needs: it is read back
+    in one place, :func:`_compile_in_own_context`.
 """
 
 from __future__ import annotations
@@ -27,13 +31,37 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import node_value
-from ..passes.share_layers import META_PIECE, pieces_of
-from .layer_runtime import CompiledLayer, chain_layer_runs, compiled_layer, find_layer_runs
+from ..passes import PassResult
+from .plan import digest
+from .runs import chain_layer_runs, find_layer_runs, runs_of
+from .runtime import CompiledLayer, Refusal, compiled_layer
+from .split import META_PIECE, PieceMeta, pieces_of
 
 if TYPE_CHECKING:
-    from .inner import CompileOne
+    from ..compiler.inner import AotGraph, Compiled, CompileOne
 
-__all__ = ["PieceReport", "compile_pieces"]
+__all__ = ["CompiledPiece", "PieceReport", "compile_piece", "compile_pieces", "layer_runs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPiece:
+    """One piece compiled by the inner compiler.
+
+    ``layer`` is the :class:`CompiledLayer` the piece runs as, the
+    :class:`Refusal` saying why it keeps AOTAutograd's runtime, or None for
+    a piece compiled for one call (no layer key).
+    """
+
+    name: str  # the piece this was compiled from
+    fn: Callable  # what a call of the piece runs
+    aot_graphs: tuple[AotGraph, ...] = ()
+    layer: CompiledLayer | Refusal | None = None
+
+    @property
+    def runtime(self) -> str:
+        if isinstance(self.layer, CompiledLayer):
+            return "layer"
+        return f"aot: {self.layer.text}" if isinstance(self.layer, Refusal) else "aot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +74,7 @@ class PieceReport:
     key_digest: str
     reason: str | None
     n_nodes: int
-    # "layer" (a CompiledLayer), or why AOTAutograd's runtime wrappers run it
+    # "layer" (a CompiledLayer), "layer in run_<i>", or why AOTAutograd's runtime wrappers run it
     runtime: str = "aot"
 
     def row(self) -> tuple:
@@ -54,83 +82,93 @@ class PieceReport:
                 self.key_digest, self.n_nodes, self.reason or "")
 
 
-class _CompiledPiece(torch.nn.Module):
-    def __init__(self, fn: Callable, name: str, runtime: str) -> None:
+class _PieceModule(torch.nn.Module):
+    """A compiled piece where the outer graph's ``self.piece_<i>`` finds it."""
+
+    def __init__(self, piece: CompiledPiece) -> None:
         super().__init__()
-        self.fn = fn
-        self.compiled_as = name
-        self.runtime = runtime
+        self.piece = piece
 
     def forward(self, *args: Any) -> Any:
-        return self.fn(*args)
+        return self.piece.fn(*args)
 
 
-def _layer_of(outer: fx.GraphModule, call: fx.Node) -> CompiledLayer:
-    fn = getattr(outer.get_submodule(str(call.target)), "fn", None)
-    if not isinstance(fn, CompiledLayer):
-        raise AssertionError(f"{call.target} does not run as a CompiledLayer")
-    return fn
+def _compile_in_own_context(compile_one: CompileOne, sub: fx.GraphModule, example: list[Any],
+                            aot_graphs: bool) -> tuple[Compiled, Any]:
+    """``compile_one`` under a TracingContext of its own; also returns the
+    forward metadata AOTAutograd left there (Note: [One TracingContext per piece])."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+
+    fake_mode = detect_fake_mode(example)
+    if fake_mode is None:
+        return compile_one(sub, example, aot_graphs), None
+    context = TracingContext(fake_mode)
+    with tracing(context):
+        compiled = compile_one(sub, example, aot_graphs)
+    return compiled, context.fw_metadata
 
 
-def _fake_mode(example_inputs: Sequence[Any]):
-    from torch._guards import detect_fake_mode
+def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileOne, name: str,
+                  as_layer: bool) -> CompiledPiece:
+    """Compile one piece; ``as_layer``: try to run it as a :class:`CompiledLayer`."""
+    compiled, fw_metadata = _compile_in_own_context(compile_one, sub, example, as_layer)
+    if not as_layer:
+        return CompiledPiece(name, compiled.fn)
+    # Note: [What a CompiledLayer relies on]
+    out_node = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
+    border = [*example, *(node_value(o) for o in out_node.args[0])]
+    layer = compiled_layer(compiled.aot_graphs, fw_metadata, border)
+    fn = layer if isinstance(layer, CompiledLayer) else compiled.fn
+    return CompiledPiece(name, fn, compiled.aot_graphs, layer)
 
-    return detect_fake_mode(example_inputs)
 
+def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne) -> list[PieceReport]:
+    """Give every piece of ``outer`` its compiled callable (one compile per key).
 
-def compile_pieces(
-    outer: fx.GraphModule,
-    compile_one: CompileOne,
-) -> tuple[fx.GraphModule, list[PieceReport]]:
-    """Replace every piece of ``outer`` by its compiled callable (shared per key)."""
-    from torch._guards import TracingContext, tracing
-
-    from ..passes.share_layers import _digest
-
-    by_key: dict[tuple, _CompiledPiece] = {}
+    The graph is not edited: its code looks each piece up as
+    ``self.piece_<i>`` when it runs, so it calls the compiled ones.
+    """
+    by_key: dict[tuple, CompiledPiece] = {}
     reports: list[PieceReport] = []
     for call in pieces_of(outer):
-        meta = call.meta[META_PIECE]
+        meta: PieceMeta = call.meta[META_PIECE]
         target = str(call.target)
         sub: Any = outer.get_submodule(target)
-        key = meta["key"]
-        compiled = by_key.get(key) if key is not None else None
+        compiled = by_key.get(meta.key) if meta.key is not None else None
         if compiled is None:
             example = [node_value(a) for a in call.args]
-            fake_mode = _fake_mode(example)
-            keep: list | None = [] if key is not None else None
-            context = TracingContext(fake_mode) if fake_mode is not None else None
-            if context is not None:
-                with tracing(context):
-                    fn = compile_one(sub, example, keep)
-            else:
-                fn = compile_one(sub, example, keep)
-            runtime = "aot"
-            if keep is not None:
-                # Note: [What a CompiledLayer relies on]
-                out_node = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
-                border = [*example, *(node_value(o) for o in out_node.args[0])]
-                layer = compiled_layer(keep, context.fw_metadata if context is not None else None, border)
-                if isinstance(layer, CompiledLayer):
-                    fn, runtime = layer, "layer"
-                else:
-                    runtime = f"aot: {layer}"
-            compiled = _CompiledPiece(fn, target, runtime)
-            if key is not None:
-                by_key[key] = compiled
+            compiled = compile_piece(sub, example, compile_one, target, meta.key is not None)
+            if meta.key is not None:
+                by_key[meta.key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))
-        setattr(outer, target, compiled)
+        setattr(outer, target, _PieceModule(compiled))
         reports.append(PieceReport(
-            target, meta["layer"], compiled.compiled_as,
-            _digest(key) if key is not None else "-", meta["reason"], n_nodes, compiled.runtime,
+            target, meta.layer, compiled.name,
+            digest(meta.key) if meta.key is not None else "-", meta.reason, n_nodes, compiled.runtime,
         ))
-    # The graph is unchanged so far, and its code looks each piece up as
-    # ``self.piece_<i>`` when it runs, so it calls the compiled ones.
-    # Note: [A run of layers]
-    runs = find_layer_runs(outer, lambda n: getattr(outer.get_submodule(str(n.target)), "runtime", "") == "layer")
-    if runs:
-        run_of = {str(c.target): f"run_{r}" for r, calls in enumerate(runs) for c in calls}
-        outer = chain_layer_runs(outer, runs, lambda n: _layer_of(outer, n))
-        reports = [dataclasses.replace(rep, runtime=f"layer in {run_of[rep.name]}") if rep.name in run_of else rep
-                   for rep in reports]
-    return outer, reports
+    return reports
+
+
+def _layer_of(outer: fx.GraphModule, call: fx.Node) -> CompiledLayer | Refusal | None:
+    module = outer.get_submodule(str(call.target))
+    return module.piece.layer if isinstance(module, _PieceModule) else None
+
+
+def layer_runs(outer: fx.GraphModule) -> PassResult:
+    """Consecutive compiled layers of ``outer`` run as one LayerRun (Note: [A run of layers])."""
+
+    def layer(call: fx.Node) -> CompiledLayer:
+        found = _layer_of(outer, call)
+        if not isinstance(found, CompiledLayer):
+            raise AssertionError(f"{call.target} does not run as a CompiledLayer")
+        return found
+
+    runs = find_layer_runs(outer, lambda n: isinstance(_layer_of(outer, n), CompiledLayer))
+    return chain_layer_runs(outer, runs, layer)
+
+
+def with_runs(reports: Sequence[PieceReport], outer: fx.GraphModule) -> list[PieceReport]:
+    """``reports`` saying which run now calls each piece (after :func:`layer_runs`)."""
+    run_of = runs_of(outer)
+    return [dataclasses.replace(r, runtime=f"layer in {run_of[r.name]}") if r.name in run_of else r
+            for r in reports]

@@ -1,13 +1,13 @@
 """Run a shared layer as its compiled forward and backward, nothing else.
 
-A shared piece (:mod:`localmap_fx.compiler.pieces`) is compiled once per
-layer key and called once per layer.  Through AOTAutograd's runtime every
-call pays for its wrappers: subclass flattening, alias and mutation
-bookkeeping, RNG and effect-token handling, tangent checks -- about 0.1-0.4
-ms of Python per layer per step on a CPU, where one whole-model graph pays
-it once.  A layer piece needs none of it: plain border tensors in, plain
-tensors out (Note: [A DTensor at a layer border costs a collective] in
-:mod:`localmap_fx.passes.share_layers`), no mutation, no alias.  So when
+A shared piece (:mod:`.compile`) is compiled once per layer key and called
+once per layer.  Through AOTAutograd's runtime every call pays for its
+wrappers: subclass flattening, alias and mutation bookkeeping, RNG and
+effect-token handling, tangent checks, where one whole-model graph pays
+them once (the measured prices, per layer, are in Note: [When "auto"
+shares layers] in :mod:`.decide`).  A layer piece needs none of it: plain
+border tensors in, plain tensors out (Note: [A DTensor at a layer border
+costs a collective] in :mod:`.borders`), no mutation, no alias.  So when
 AOTAutograd's own metadata says so, the piece runs as a
 :class:`CompiledLayer`, called in a :class:`LayerRun`: one lean
 ``autograd.Function`` that calls the compiled forward, saves what the
@@ -22,8 +22,8 @@ backward graph reads, and calls the compiled backward::
 
 Anything else (a piece AOTAutograd had to give a mutation epilogue, an
 aliased output, tokens, symbolic sizes saved for backward, subclass
-outputs) keeps AOTAutograd's runtime: :func:`compiled_layer` returns the
-reason instead of a layer, and the dump shows it.
+outputs) keeps AOTAutograd's runtime: :func:`compiled_layer` returns a
+:class:`Refusal` instead of a layer, and the dump shows its text.
 
 Note: [What a CompiledLayer relies on]
     AOTAutograd's partitioned graphs have a fixed calling convention:
@@ -41,13 +41,40 @@ Note: [What a CompiledLayer relies on]
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
 
-__all__ = ["CompiledLayer", "compiled_layer", "LayerRun", "RunStep", "find_layer_runs", "chain_layer_runs"]
+if TYPE_CHECKING:
+    from ..compiler.inner import AotGraph
+
+__all__ = ["CompiledLayer", "compiled_layer", "Refusal", "Refused", "LayerRun", "RunStep"]
+
+
+class Refused(enum.Enum):
+    """Why a compiled piece keeps AOTAutograd's runtime (:func:`compiled_layer`)."""
+
+    SUBCLASS_AT_BORDER = "subclass_at_border"
+    NO_BACKWARD = "no_backward"
+    NO_METADATA = "no_metadata"
+    WRITES_INPUT = "writes_input"
+    ALIASED_OUTPUT = "aliased_output"
+    EFFECTS = "effects"
+    SUBCLASS_OUTPUT = "subclass_output"
+    RNG = "rng"
+    UNCHECKED_SAVED = "unchecked_saved"
+    CALLING_CONVENTION = "calling_convention"
+    SYMBOLIC_TANGENT = "symbolic_tangent"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A piece that cannot run as a :class:`CompiledLayer`: the code, and the text the dump shows."""
+
+    code: Refused
+    text: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +138,12 @@ def _static(values: Sequence[Any]) -> bool:
     return all(isinstance(v, int) for v in values)
 
 
-def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_metadata: Any,
-                   border: Sequence[Any] = ()) -> CompiledLayer | str:
+def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
+                   border: Sequence[Any] = ()) -> CompiledLayer | Refusal:
     """The :class:`CompiledLayer` of one AOT-compiled piece, or why it needs AOTAutograd's runtime.
 
-    ``kept`` is what ``compile_one(..., keep=...)`` recorded (forward and
-    backward graph with their compiled callables), ``fw_metadata``
+    ``aot_graphs`` are what ``compile_one(..., aot_graphs=True)`` returned
+    (forward and backward graph with their compiled callables), ``fw_metadata``
     AOTAutograd's ``ViewAndMutationMeta`` for the piece, ``border`` the
     (fake) values of its inputs and outputs: a tensor subclass among them
     (a DTensor crossing the border) is flattened and rebuilt by
@@ -127,26 +154,26 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
 
     crossing = sorted({type(v).__name__ for v in border if is_traceable_wrapper_subclass(v)})
     if crossing:
-        return f"a {', '.join(crossing)} crosses its border"
-    graphs = {kind: (g, c) for kind, g, c in kept}
+        return Refusal(Refused.SUBCLASS_AT_BORDER, f"a {', '.join(crossing)} crosses its border")
+    graphs = {g.kind: (g.graph, g.compiled) for g in aot_graphs}
     if "forward" not in graphs or "backward" not in graphs:
-        return "AOTAutograd compiled no backward for it (no input requires grad)"
+        return Refusal(Refused.NO_BACKWARD, "AOTAutograd compiled no backward for it (no input requires grad)")
     if fw_metadata is None:
-        return "no AOTAutograd metadata"
+        return Refusal(Refused.NO_METADATA, "no AOTAutograd metadata")
     md = fw_metadata
     if any(i.mutates_data or i.mutates_metadata or i.mutates_storage_metadata for i in md.input_info):
-        return "it writes to an input"
+        return Refusal(Refused.WRITES_INPUT, "it writes to an input")
     if any(o.output_type != OutputType.non_alias for o in md.output_info) or md.num_intermediate_bases:
-        return "an output aliases an input or another output"
+        return Refusal(Refused.ALIASED_OUTPUT, "an output aliases an input or another output")
     if md.tokens or md.num_backward_tokens or md.num_graphsafe_rng_states:
-        return "it has effect tokens or RNG state"
+        return Refusal(Refused.EFFECTS, "it has effect tokens or RNG state")
     if not all(isinstance(m, PlainTensorMeta) for m in md.subclass_fw_graph_out_meta):
-        return "an output is a tensor subclass"
+        return Refusal(Refused.SUBCLASS_OUTPUT, "an output is a tensor subclass")
     if getattr(md, "is_rng_op_functionalized", False):
-        return "its RNG is functionalized"
+        return Refusal(Refused.RNG, "its RNG is functionalized")
     if md.num_tensors_saved_with_no_vc_check:
         # a run version-checks every saved tensor (save_for_backward)
-        return "it saves tensors AOTAutograd does not version-check"
+        return Refusal(Refused.UNCHECKED_SAVED, "it saves tensors AOTAutograd does not version-check")
     fw_gm, fw = graphs["forward"]
     bw_gm, bw = graphs["backward"]
     bw_inputs = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
@@ -155,15 +182,15 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
     fw_out = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output").args[0]
     n_outputs = len(fw_out) - n_saved
     if n_outputs != len(md.output_info):
-        return f"{n_outputs} forward outputs for {len(md.output_info)} outputs"
+        return Refusal(Refused.CALLING_CONVENTION, f"{n_outputs} forward outputs for {len(md.output_info)} outputs")
     owners = _tangent_owners(md, len(tangents))
-    if isinstance(owners, str):
+    if isinstance(owners, Refusal):
         return owners
     layouts, types = [], []
     for t in tangents:
         val = t.meta.get("val")
         if not isinstance(val, torch.Tensor) or not _static(val.shape) or not _static(val.stride()):
-            return "a tangent has a symbolic size"
+            return Refusal(Refused.SYMBOLIC_TANGENT, "a tangent has a symbolic size")
         layouts.append((tuple(val.shape), tuple(val.stride())))
         types.append((val.dtype, val.device))
     return CompiledLayer(fw, bw, n_outputs, tuple(layouts), tuple(types),
@@ -172,7 +199,7 @@ def compiled_layer(kept: Sequence[tuple[str, fx.GraphModule, Callable]], fw_meta
                          bool(md.bw_donated_idxs) and torch._functorch.config.donated_buffer)
 
 
-def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | str:
+def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | Refusal:
     """Which output each tangent of the backward belongs to.
 
     AOTAutograd traces a tangent for every tensor output it must
@@ -183,7 +210,7 @@ def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | str:
                    if isinstance(o.raw_type, type) and issubclass(o.raw_type, torch.Tensor)
                    and o.requires_grad_for_backward)
     if len(owners) != n_tangents:
-        return f"{n_tangents} tangents for {len(owners)} differentiable outputs"
+        return Refusal(Refused.CALLING_CONVENTION, f"{n_tangents} tangents for {len(owners)} differentiable outputs")
     return owners
 
 
@@ -317,105 +344,8 @@ class _RunFunction(torch.autograd.Function):
 
 # Note: [A run of layers]
 #     Each layer as its own autograd.Function still costs an autograd node,
-#     a ctx and a Python backward per layer per step (~15 us on a CPU).
+#     a ctx and a Python backward per layer per step.
 #     Consecutive layer calls whose arguments come from before the run or
 #     from earlier layers of it are one LayerRun: one node; its forward
 #     calls the compiled forwards in order, its backward the compiled
 #     backwards in reverse, summing gradients of values several layers read.
-
-
-def find_layer_runs(outer: fx.GraphModule, is_layer: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
-    """Maximal runs (two or more) of consecutive piece calls that ``is_layer`` accepts.
-
-    Only ``getitem`` nodes of a run's calls may sit between them.
-    """
-    import operator
-
-    runs: list[list[fx.Node]] = []
-    current: list[fx.Node] = []
-    for n in outer.graph.nodes:
-        if n.op == "call_module" and is_layer(n):
-            current.append(n)
-            continue
-        if n.op == "call_function" and n.target is operator.getitem and current and n.args[0] in current:
-            continue
-        if len(current) >= 2:
-            runs.append(current)
-        current = []
-    if len(current) >= 2:
-        runs.append(current)
-    return runs
-
-
-def chain_layer_runs(outer: fx.GraphModule, runs: Sequence[Sequence[fx.Node]],
-                     layer_of: Callable[[fx.Node], CompiledLayer]) -> fx.GraphModule:
-    """Replace each run of layer calls by one call to a :class:`LayerRun` (``run_<i>``).
-
-    before::
-
-        (a,) = piece_1(x, mesh, w0)            # CompiledLayer K
-        (b,) = piece_2(a, mesh, w1)            # CompiledLayer K
-        loss = tail(b)
-
-    after::
-
-        (b,) = run_0(x, mesh, w0, w1)          # LayerRun: piece_1, piece_2
-        loss = tail(b)
-    """
-    import operator
-
-    for r, calls in enumerate(runs):
-        members = set(calls)
-        inputs: list[fx.Node] = []
-        index: dict[fx.Node, int] = {}
-        produced: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (step, output)
-        steps = []
-        for j, call in enumerate(calls):
-            srcs: list[Source] = []
-            for a in call.args:
-                if not isinstance(a, fx.Node):
-                    raise AssertionError(f"layer call {call.name} has a constant argument {a!r}")
-                if a in produced:
-                    srcs.append(("out", *produced[a]))
-                else:
-                    if a not in index:
-                        index[a] = len(inputs)
-                        inputs.append(a)
-                    srcs.append(("in", index[a]))
-            steps.append(RunStep(str(call.target), layer_of(call), tuple(srcs)))
-            for u in call.users:
-                if u.op != "call_function" or u.target is not operator.getitem:
-                    raise AssertionError(f"layer call {call.name} is used by {u.format_node()}")
-                k = u.args[1]
-                if not isinstance(k, int):
-                    raise AssertionError(f"layer call {call.name} is indexed by {k!r}")
-                produced[u] = (j, k)
-        leaving = [g for g in produced if any(u not in members and u not in produced for u in g.users)]
-        run = LayerRun(tuple(steps), len(inputs), tuple(produced[g] for g in leaving))
-        name = f"run_{r}"
-        outer.add_submodule(name, _RunModule(run))
-        with outer.graph.inserting_before(calls[0]):
-            new = outer.graph.call_module(name, tuple(inputs))
-            outs = []
-            for i, g in enumerate(leaving):
-                o = outer.graph.call_function(operator.getitem, (new, i))
-                o.meta = dict(g.meta)
-                outs.append(o)
-        for g, o in zip(leaving, outs):
-            g.replace_all_uses_with(o)
-        for call in reversed(calls):
-            for g in [u for u in call.users]:
-                outer.graph.erase_node(g)
-            outer.graph.erase_node(call)
-    outer.graph.lint()
-    outer.recompile()
-    return outer
-
-
-class _RunModule(torch.nn.Module):
-    def __init__(self, run: LayerRun) -> None:
-        super().__init__()
-        self.run = run
-
-    def forward(self, *inputs: Any) -> tuple:
-        return self.run(*inputs)

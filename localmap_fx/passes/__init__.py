@@ -1,6 +1,7 @@
 """Graph passes over captured graphs, and the one runner that applies them.
 
 Each pass is a function ``GraphModule -> PassResult`` in a module of its own
+(the layer-sharing rewrites live in :mod:`localmap_fx.layer_sharing`)
 (``find_*`` separate from rewriting, a before/after drawing in its
 docstring).  A pass edits graphs only: it says which ``GraphModule`` objects it
 edited (the root, and nested subgraph modules such as a checkpoint body) and
@@ -36,17 +37,14 @@ __all__ = ["PassResult", "Pass", "run_passes", "apply"]
 class PassResult:
     """What a pass did (cf. ``torch.fx.passes.infra.pass_base.PassResult``).
 
-    ``graph_module`` is the module the pass ran on (edited in place);
+    ``graph_module`` is the module the pass ran on (edited in place), or a
+    new module it built (its code is generated when it is built);
     ``changed`` the graph modules whose graphs it edited, each once: ``graph_module``
     itself and/or nested subgraph modules.  Empty when it changed nothing.
     """
 
     graph_module: fx.GraphModule
     changed: tuple[fx.GraphModule, ...] = ()
-
-    @property
-    def modified(self) -> bool:
-        return bool(self.changed)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, changed: Iterable[fx.GraphModule]) -> PassResult:
