@@ -361,6 +361,43 @@ def test_one_folder_per_compiled_frame_and_user_hooks_kept(tmp_path):
     assert len(rec.stages["captured"]) == 2 and len(rec.aot["forward"]) == 2
 
 
+def _dumped(root, name):
+    (frame,) = _frames(root)
+    with open(os.path.join(root, frame, name)) as f:
+        return f.read()
+
+
+def test_lowered_graph_is_what_the_inner_compiler_received(tmp_path, monkeypatch):
+    """lowered_graph.txt is the graph handed to the inner compiler whole, or,
+    for a frame split into layers, the graph cut into pieces: after every
+    rewrite, plain borders included (it once showed the graph before them)."""
+    from localmap_fx.compiler import inner
+    from localmap_fx.debug.tables import graph_text
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    received = []
+
+    def recording_eager(gm, example_inputs, *rest):
+        received.append(graph_text(gm))
+        return gm.forward
+
+    monkeypatch.setitem(inner.INNER, "eager", recording_eager)
+    mesh = mesh_for(1)
+    model, x = TPStack(mesh, 4, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    torch._dynamo.reset()
+    torch.compile(model, backend=localmap_fx.backend("eager", share_layers=False, dump_dir=str(tmp_path / "whole")))(x)
+    assert received and _dumped(tmp_path / "whole", "lowered_graph.txt") == received[0]
+
+    received.clear()
+    torch._dynamo.reset()
+    torch.compile(model, backend=localmap_fx.backend("eager", share_layers=True, dump_dir=str(tmp_path / "split")))(x)
+    lowered = _dumped(tmp_path / "split", "lowered_graph.txt")
+    assert lowered == _dumped(tmp_path / "split", "pass_plain_borders.txt")
+    assert lowered != _dumped(tmp_path / "split", "pass_fuse_boundaries.txt")
+    # the pieces the inner compiler received: one per layer key, plus prefix and tail
+    assert len(received) == 3 and all("class piece_" in r for r in received), [r.splitlines()[0] for r in received]
+
+
 def test_env_var_is_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "from_env"))
     assert localmap_fx.BackendOptions().dump_dir is None
