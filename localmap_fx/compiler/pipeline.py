@@ -142,6 +142,8 @@ def _plain_borders(f: Frame) -> None:
     from ..layer_sharing.find import find_layer_spans
 
     borders = f.borders
+    if borders is None:
+        raise AssertionError("plain_borders runs only after plan_layers found borders")
 
     def plain_borders(gm: fx.GraphModule) -> PassResult:
         return apply_plain_borders(gm, borders)
@@ -158,6 +160,8 @@ def _split_layers(f: Frame) -> None:
     from ..layer_sharing.split import split_layers
 
     plan = f.plan
+    if plan is None:
+        raise AssertionError("split_layers runs only after plan_layers")
 
     def split(gm: fx.GraphModule) -> PassResult:
         return split_layers(gm, plan)
