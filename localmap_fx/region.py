@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import graph_utils
-from .analysis import copy_nodes
+from .analysis import copy_nodes, span_io
 from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value, subgraph_calls
 
 __all__ = [
@@ -402,11 +402,11 @@ def _extract(
         RegionInput("arg", i, n) for n, i in sorted(arg_locals.items(), key=lambda kv: kv[1])
     ]
     seen = {i.node for i in inputs}
-    for n in body:
-        for a in n.all_input_nodes:
-            if a not in body_set and a not in seen:
-                seen.add(a)
-                inputs.append(RegionInput("captured", None, a))
+    read, leaving = span_io(body)
+    for a in read:
+        if a not in seen:
+            seen.add(a)
+            inputs.append(RegionInput("captured", None, a))
     for e in exits:
         src = e.args[0] if e.args else None
         if isinstance(src, fx.Node) and src not in body_set and src not in seen:
@@ -420,10 +420,7 @@ def _extract(
         src = e.args[0] if e.args else None
         if isinstance(src, fx.Node) and src not in outputs:
             outputs.append(src)
-    for n in body:
-        if n not in outputs and any(u not in body_set for u in n.users):
-            if not (n.op == "call_function" and n.target is operator.getitem and n.users.keys() <= body_set):
-                outputs.append(n)
+    outputs += [n for n in leaving if n not in outputs]
     n_args = sum(1 for i in inputs if i.kind == "arg")  # user arguments come first
     names = [f"arg{i.index}" if i.kind == "arg" else f"captured{k - n_args}" for k, i in enumerate(inputs)]
     sub, owner = copy_nodes(body, [i.node for i in inputs], outputs, functools.partial(fetch_attr, gm), names)

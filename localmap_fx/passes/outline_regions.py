@@ -29,11 +29,12 @@ import dataclasses
 import functools
 import operator
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 
-from ..analysis import find_effects, storage_key, structural_key
+from ..analysis import Effects, find_effects, storage_key, structural_key
 from ..graph_utils import binds_unbacked_symbols, fetch_attr, getitem_users, is_symbolic, subgraph_attr
 from ..graph_utils import node_value as _val
 from ..region import META_REGION, Region, RegionInput, find_regions, shared_body_call
@@ -58,7 +59,7 @@ class OutlineMatch:
     shared_call: fx.Node | None = None
 
 
-def _skip_reason(region: Region) -> str | None:
+def _skip_reason(region: Region, effects_of: Callable[[Region], Effects]) -> str | None:
     if region.scope:
         # the body would have to live in that subgraph's module: keep it
         # inline (the region is still lowered; see region.py)
@@ -86,7 +87,7 @@ def _skip_reason(region: Region) -> str | None:
         if o in inputs:
             return f"returns its input {o.name}"
     # Note: [Deciding that a body writes to or aliases an input] (localmap_fx.analysis)
-    effects = find_effects(region.body_graph, region.body_owner, [_val(n) for n in inputs])
+    effects = effects_of(region)
     if effects.error is not None:
         return f"writes to input ? in place ({effects.error})"  # cannot tell: inline is always right
     for j, o in enumerate(region.outputs):
@@ -117,6 +118,17 @@ def _body_key(graph: fx.Graph, owner: torch.nn.Module) -> tuple:
 
 def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:
     matches = []
+    # Equal body keys: the same code on inputs with equal metadata, so the
+    # same effects; each distinct body is run once.
+    effects: dict[tuple, Effects] = {}
+
+    def effects_of(region: Region) -> Effects:
+        key = _body_key(region.body_graph, region.body_owner)
+        if key not in effects:
+            effects[key] = find_effects(region.body_graph, region.body_owner,
+                                        [_val(i.node) for i in region.inputs])
+        return effects[key]
+
     for region in find_regions(gm):
         if region.outlined:
             continue
@@ -127,7 +139,7 @@ def find_outline_matches(gm: fx.GraphModule) -> list[OutlineMatch]:
             key = _body_key(inner.graph, inner)
             matches.append(OutlineMatch(region, key, None, shared))
             continue
-        reason = _skip_reason(region)
+        reason = _skip_reason(region, effects_of)
         key = () if reason else _body_key(region.body_graph, region.body_owner)
         matches.append(OutlineMatch(region, key, reason))
     return matches
