@@ -6,7 +6,8 @@ annotation dict (:func:`custom_meta`), functional collectives
 operations (:func:`is_to_local`, :func:`is_from_local`,
 :func:`is_redistribute`), mesh dimension names (:func:`mesh_dim_names`),
 ``get_attr`` targets (:func:`fetch_attr`), the subgraphs a higher-order op
-calls (:func:`subgraph_calls`), an op's arguments by schema name
+calls (:func:`subgraph_calls`) and the walk over every nested graph
+(:func:`nested_graphs`), an op's arguments by schema name
 (:func:`schema_args`) and the frames of a node's ``stack_trace``
 (:func:`stack_frames`, :func:`call_site_of`).  Analyses of whole graphs
 (structural keys, writes and aliases) are in :mod:`localmap_fx.analysis`.
@@ -28,7 +29,7 @@ import dataclasses
 import operator
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +52,8 @@ __all__ = [
     "fetch_attr",
     "subgraph_attr",
     "subgraph_calls",
+    "NestedGraph",
+    "nested_graphs",
     "schema_args",
     "getitem_users",
     "Frame",
@@ -209,6 +212,38 @@ def subgraph_calls(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, fx.Grap
                 continue
             if isinstance(mod, fx.GraphModule):
                 out.append((str(a.target), mod))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class NestedGraph:
+    """A graph module reached from the root through higher-order ops."""
+
+    module: fx.GraphModule
+    scope: str  # dotted path of get_attr targets from the root ("" = the root)
+    # where it sits in program order: per enclosing graph, the calling node's
+    # position and the subgraph's index among that node's subgraphs
+    at: tuple[int, ...]
+
+
+def nested_graphs(gm: fx.GraphModule, enter: Callable[[fx.Node], bool] = lambda node: True) -> list[NestedGraph]:
+    """``gm`` and every subgraph module its higher-order ops call, at any depth
+    (those of nodes ``enter`` accepts), each module once, depth first in
+    program order.  The one walk over nested graphs."""
+    out: list[NestedGraph] = []
+    walked: set[int] = set()
+
+    def walk(m: fx.GraphModule, scope: str, at: tuple[int, ...]) -> None:
+        walked.add(id(m))
+        out.append(NestedGraph(m, scope, at))
+        for k, node in enumerate(m.graph.nodes):
+            if not enter(node):
+                continue
+            for j, (target, sub) in enumerate(subgraph_calls(m, node)):
+                if id(sub) not in walked:
+                    walk(sub, f"{scope}.{target}" if scope else target, (*at, k, j))
+
+    walk(gm, "", ())
     return out
 
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import graph_utils
 from .analysis import copy_nodes, span_io
-from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value, subgraph_calls
+from .graph_utils import call_site_of, custom_meta, fetch_attr, node_value
 
 __all__ = [
     "RegionSpec",
@@ -429,27 +429,15 @@ def _extract(
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
     """The regions of ``gm`` in program order (read-only), nested subgraphs included."""
-    return _find_regions_in(gm, "", set())
-
-
-def _find_regions_in(gm: fx.GraphModule, scope: str, walked: set[int]) -> list[Region]:
-    walked.add(id(gm))
-    position = {n: k for k, n in enumerate(gm.graph.nodes)}
-    found: list[tuple[int, int, Region]] = []
-    for region in _regions_of_graph(gm):
-        region.owner, region.scope = gm, scope
-        first = min(position[n] for n in (*region.enter_nodes, *region.body_nodes, *region.exit_nodes))
-        found.append((first, 0, region))
-    for node in gm.graph.nodes:
-        if role_of(node) is not None or META_REGION in node.meta:
-            continue  # part of a region: its subgraphs are the region's body
-        for target, sub in subgraph_calls(gm, node):
-            if id(sub) in walked:
-                continue
-            path = f"{scope}.{target}" if scope else target
-            for region in _find_regions_in(sub, path, walked):
-                found.append((position[node], len(found) + 1, region))
-    return [r for _, _, r in sorted(found, key=lambda t: (t[0], t[1]))]
+    found: list[tuple[tuple[int, ...], Region]] = []
+    # a region's own subgraphs are its body, not graphs holding regions
+    for g in graph_utils.nested_graphs(gm, lambda node: role_of(node) is None and META_REGION not in node.meta):
+        position = {n: k for k, n in enumerate(g.module.graph.nodes)}
+        for region in _regions_of_graph(g.module):
+            region.owner, region.scope = g.module, g.scope
+            first = min(position[n] for n in (*region.enter_nodes, *region.body_nodes, *region.exit_nodes))
+            found.append(((*g.at, first), region))
+    return [r for _, r in sorted(found, key=lambda t: t[0])]
 
 
 def _regions_of_graph(gm: fx.GraphModule) -> list[Region]:

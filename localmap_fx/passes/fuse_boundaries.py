@@ -22,7 +22,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..graph_utils import is_from_local, is_to_local, node_value
+from ..graph_utils import is_from_local, is_to_local, nested_graphs, node_value
 from ..region import META_LOWERED, role_of
 from . import PassResult
 
@@ -40,9 +40,8 @@ def find_round_trips(gm: fx.GraphModule) -> list[RoundTrip]:
     """Round trips in ``gm.graph`` and in every nested subgraph (each stays in its graph)."""
     out = []
     owners: dict[int, fx.GraphModule] = {}  # one module per graph, the first found
-    for m in gm.modules():
-        if isinstance(m, fx.GraphModule):
-            owners.setdefault(id(m.graph), m)
+    for g in nested_graphs(gm):
+        owners.setdefault(id(g.module.graph), g.module)
     for owner, node in ((m, n) for m in owners.values() for n in m.graph.nodes):
         if not (is_to_local(node) and role_of(node) == "enter"):
             continue
