@@ -120,6 +120,7 @@ def test_finder_tp_stack_has_two_regions_per_layer():
     assert first.key is not None and first.key == second.key
     assert last.key is None and last.reason.startswith("last layer")
     nodes = compute_nodes(gm, plan.hoisted)
+    assert plan.nodes == tuple(nodes)  # the spans index the compute nodes, hoisted weights first
     _, outputs = span_io(nodes[first.start : first.stop])
     assert outputs and not any(hasattr(node_value(o), "placements") for o in outputs)
 

@@ -60,7 +60,7 @@ __all__ = ["STAGES", "Stage", "graph_passes", "compile_graph"]
 
 
 @dataclasses.dataclass
-class Frame:
+class FrameState:
     """One frame on its way through :data:`STAGES`: what the stages so far made of it."""
 
     gm: fx.GraphModule
@@ -91,8 +91,8 @@ class Stage:
     name: str
     what: str
     runs_when: str
-    when: Callable[[Frame], bool]
-    step: Callable[[Frame], None]
+    when: Callable[[FrameState], bool]
+    step: Callable[[FrameState], None]
 
 
 def _outlines(opts: BackendOptions) -> bool:
@@ -115,7 +115,7 @@ def graph_passes(opts: BackendOptions) -> list[Pass]:
     return ps
 
 
-def _plan_layers(f: Frame) -> None:
+def _plan_layers(f: FrameState) -> None:
     from ..layer_sharing.borders import dtensors_at_borders, find_plain_borders
     from ..layer_sharing.decide import decide, layer_cost
     from ..layer_sharing.find import find_layer_spans
@@ -128,15 +128,15 @@ def _plan_layers(f: Frame) -> None:
         # A safety net, no known case: the graph is valid, so compile it whole and say why.
         plan = LayerPlan(0, 0, (), f"regions not recoverable ({e!r})")
     # Note: [When "auto" shares layers]
-    cost = layer_cost(f.gm, plan) if f.opts.inner == "inductor" and share == "auto" else None
+    cost = layer_cost(plan) if f.opts.inner == "inductor" and share == "auto" else None
     # Note: [A DTensor at a layer border costs a collective]
     borders = find_plain_borders(f.gm, plan) if plan.shared else None
     # Note: [No DTensor at an automatic border]
-    crossing = dtensors_at_borders(f.gm, plan, borders) if share == "auto" and borders is not None else ()
+    crossing = dtensors_at_borders(plan, borders) if share == "auto" and borders is not None else ()
     f.plan, f.borders, f.decision = plan, borders, decide(plan, share, cost, crossing)
 
 
-def _plain_borders(f: Frame) -> None:
+def _plain_borders(f: FrameState) -> None:
     from ..layer_sharing.borders import apply_plain_borders
     from ..layer_sharing.decide import Decision, Reason
     from ..layer_sharing.find import find_layer_spans
@@ -156,7 +156,7 @@ def _plain_borders(f: Frame) -> None:
         f.decision = Decision(Reason.NO_SHARED_LAYER, f.plan.reason or "no two layers share a key")
 
 
-def _split_layers(f: Frame) -> None:
+def _split_layers(f: FrameState) -> None:
     from ..layer_sharing.split import split_layers
 
     plan = f.plan
@@ -170,7 +170,7 @@ def _split_layers(f: Frame) -> None:
     f.run("split_layers", split)
 
 
-def _inner(f: Frame) -> None:
+def _inner(f: FrameState) -> None:
     if not f.split:
         f.observer.lowered(f.gm)
         if f.decision is not None:
@@ -182,7 +182,7 @@ def _inner(f: Frame) -> None:
     f.reports = compile_pieces(f.gm, f.compile_one)
 
 
-def _layer_runs(f: Frame) -> None:
+def _layer_runs(f: FrameState) -> None:
     from ..layer_sharing.compile import layer_runs, with_runs
 
     f.run("layer_runs", layer_runs)
@@ -191,7 +191,7 @@ def _layer_runs(f: Frame) -> None:
     f.compiled = f.gm.forward
 
 
-def _pass(name: str, p: Callable[[BackendOptions], Pass]) -> Callable[[Frame], None]:
+def _pass(name: str, p: Callable[[BackendOptions], Pass]) -> Callable[[FrameState], None]:
     return lambda f: f.run(name, p(f.opts))
 
 
@@ -228,7 +228,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Backe
     inspector = inspector_for(opts)
     user = UserHooks(opts.on_stage, opts.on_aot_graph)
     observer = Observers([inspector, user]) if inspector is not None else user
-    frame = Frame(gm, list(example_inputs), opts, observer, inner_compiler(opts, observer))
+    frame = FrameState(gm, list(example_inputs), opts, observer, inner_compiler(opts, observer))
     for stage in STAGES:
         if stage.when(frame):
             stage.step(frame)

@@ -11,7 +11,6 @@ would still cross as a DTensor (Note: [No DTensor at an automatic border] in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -19,7 +18,7 @@ import torch.fx as fx
 from ..analysis import mesh_key, span_io
 from ..graph_utils import is_to_local, node_value
 from ..passes import PassResult
-from .plan import LayerPlan, compute_nodes
+from .plan import LayerPlan
 
 __all__ = ["PlainBorderStep", "PlainBorderPlan", "find_plain_borders", "apply_plain_borders", "dtensors_at_borders"]
 
@@ -83,12 +82,11 @@ def find_plain_borders(gm: fx.GraphModule, plan: LayerPlan) -> PlainBorderPlan:
     """
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    nodes = compute_nodes(gm, plan.hoisted)
     steps: list[PlainBorderStep] = []
     seen: set[fx.Node] = set()
     for span in plan.shared:
-        inputs, _ = span_io(nodes[span.start:span.stop])
-        inside = set(nodes[span.start:span.stop])
+        inputs, _ = span_io(plan.nodes_of(span))
+        inside = set(plan.nodes_of(span))
         for v in inputs:
             val = node_value(v)
             if v in seen or not isinstance(val, DTensor):
@@ -110,12 +108,11 @@ def find_plain_borders(gm: fx.GraphModule, plan: LayerPlan) -> PlainBorderPlan:
                 continue
             seen.add(v)
             steps.append(PlainBorderStep(v, tls[0], grad, mesh))
-    steps += _last_layer_borders(gm, nodes, plan, seen)
+    steps += _last_layer_borders(gm, plan, seen)
     return PlainBorderPlan(tuple(steps))
 
 
-def dtensors_at_borders(gm: fx.GraphModule, plan: LayerPlan,
-                        border_plan: PlainBorderPlan | None = None) -> tuple[str, ...]:
+def dtensors_at_borders(plan: LayerPlan, border_plan: PlainBorderPlan | None = None) -> tuple[str, ...]:
     """The DTensors that would enter or leave a shared layer once ``border_plan`` is applied.
 
     Read-only.  A value a border step passes as its local tensor does not
@@ -126,10 +123,9 @@ def dtensors_at_borders(gm: fx.GraphModule, plan: LayerPlan,
 
     passed = {s.value for s in border_plan.steps} if border_plan is not None else set()
     seen: set[fx.Node] = set()
-    nodes = compute_nodes(gm, plan.hoisted)
     names: list[str] = []
     for span in plan.shared:
-        inputs, outputs = span_io(nodes[span.start:span.stop])
+        inputs, outputs = span_io(plan.nodes_of(span))
         for v in (*inputs, *outputs):
             if isinstance(node_value(v), DTensor) and v not in passed and v not in seen:
                 seen.add(v)
@@ -137,8 +133,7 @@ def dtensors_at_borders(gm: fx.GraphModule, plan: LayerPlan,
     return tuple(names)
 
 
-def _last_layer_borders(gm: fx.GraphModule, nodes: Sequence[fx.Node], plan: LayerPlan,
-                        seen: set[fx.Node]) -> list[PlainBorderStep]:
+def _last_layer_borders(gm: fx.GraphModule, plan: LayerPlan, seen: set[fx.Node]) -> list[PlainBorderStep]:
     """Note: [The last layer's border]
         A layer hands its output to the next layer's ``to_local`` (and, with
         the border steps above, as a local tensor); the last layer hands it
@@ -156,6 +151,7 @@ def _last_layer_borders(gm: fx.GraphModule, nodes: Sequence[fx.Node], plan: Laye
     if len(plan.spans) < 2:
         return []
     prev, last = plan.spans[-2], plan.spans[-1]
+    nodes = plan.nodes
     if prev.key is None or prev.stop - prev.start != last.stop - last.start:
         return []
     prev_nodes = nodes[prev.start:prev.stop]

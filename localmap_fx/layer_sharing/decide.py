@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import node_value
-from .plan import LayerPlan, compute_nodes
+from .plan import LayerPlan
 
 __all__ = [
     "AUTO_MAX_OVERHEAD",
@@ -163,12 +163,12 @@ def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = N
     return Decision(Reason.SHARE, f"share_layers={share_layers!r}: {len(plan.shared)} of {most} layers shared")
 
 
-def layer_cost(gm: fx.GraphModule, plan: LayerPlan) -> LayerCost | None:
+def layer_cost(plan: LayerPlan) -> LayerCost | None:
     """The :class:`LayerCost` of ``plan``'s first shared layer, None if none."""
     if not plan.shared:
         return None
     span = plan.shared[0]
-    nodes = compute_nodes(gm, plan.hoisted)[span.start:span.stop]
+    nodes = plan.nodes_of(span)
     device = "cpu"
     for n in nodes:
         v = node_value(n)

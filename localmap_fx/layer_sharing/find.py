@@ -210,7 +210,7 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
             last_after_shift = i == len(keys) - 1 and shift
             key, reason = None, _LONE_LAST if last_after_shift else _LONE_KEY
         spans.append(LayerSpan(i, a, b, key, reason))
-    return LayerPlan(p, s, tuple(spans), hoisted=tuple(hoisted))
+    return LayerPlan(p, s, tuple(spans), hoisted=tuple(hoisted), nodes=tuple(nodes))
 
 
 def _best_cut(nodes: Sequence[fx.Node], bounds: Sequence[tuple[int, int]]) -> int:

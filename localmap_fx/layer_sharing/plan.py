@@ -20,7 +20,7 @@ __all__ = ["LayerSpan", "LayerPlan", "compute_nodes", "digest"]
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpan:
-    """Nodes ``[start, stop)`` of the graph's compute nodes form layer ``index``.
+    """Nodes ``[start, stop)`` of its plan's ``nodes`` form layer ``index``.
 
     ``key`` is None when the span cannot be shared; ``reason`` says why.
     """
@@ -50,12 +50,19 @@ class LayerPlan:
     spans: tuple[LayerSpan, ...]
     reason: str | None = None
     # to_local nodes of graph inputs moved into the prefix piece (Note:
-    # [Weights enter as local tensors]); spans index compute_nodes(gm, hoisted)
+    # [Weights enter as local tensors])
     hoisted: tuple[fx.Node, ...] = dataclasses.field(default=(), compare=False)
+    # the graph's compute nodes in the order the spans index them
+    # (compute_nodes(gm, hoisted)): the plan names nodes by reference only
+    nodes: tuple[fx.Node, ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def shared(self) -> tuple[LayerSpan, ...]:
         return tuple(s for s in self.spans if s.key is not None)
+
+    def nodes_of(self, span: LayerSpan) -> tuple[fx.Node, ...]:
+        """The nodes of ``span``, in program order."""
+        return self.nodes[span.start:span.stop]
 
     def text(self) -> str:
         if not self.spans:

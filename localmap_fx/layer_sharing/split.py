@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..analysis import copy_nodes, span_io
 from ..graph_utils import fetch_attr
 from ..passes import PassResult
-from .plan import LayerPlan, LayerSpan, compute_nodes
+from .plan import LayerPlan, LayerSpan
 
 __all__ = ["META_PIECE", "PieceMeta", "split_layers", "merge_unshared", "pieces_of"]
 
@@ -107,7 +107,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
     Spans with equal keys get structurally identical submodules (same input
     order, same outputs), so one compiled callable serves them all.
     """
-    nodes = compute_nodes(gm, plan.hoisted)
+    nodes = list(plan.nodes)
     cuts = merge_unshared(_cuts(plan, len(nodes)))
 
     outer = fx.Graph()
