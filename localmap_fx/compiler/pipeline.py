@@ -74,9 +74,9 @@ class FrameState:
     reports: list[PieceReport] | None = None
     compiled: Callable | None = None
 
-    def run(self, name: str, p: Pass) -> None:
-        """Run the rewrite ``p`` as the stage ``name``: through the runner, observed."""
-        self.gm = run_passes(self.gm, [p])
+    def run(self, name: str, p: Callable[..., PassResult], *args: Any) -> None:
+        """Run the rewrite ``p(gm, *args)`` as the stage ``name``: through the runner, observed."""
+        self.gm = run_passes(self.gm, [lambda gm: p(gm, *args)])
         self.observer.stage(name, self.gm)
 
     @property
@@ -138,36 +138,22 @@ def _plan_layers(f: FrameState) -> None:
 
 def _plain_borders(f: FrameState) -> None:
     from ..layer_sharing.borders import apply_plain_borders
-    from ..layer_sharing.decide import Decision, Reason
+    from ..layer_sharing.decide import no_shared_layer
     from ..layer_sharing.find import find_layer_spans
 
-    borders = f.borders
-    if borders is None:
-        raise AssertionError("plain_borders runs only after plan_layers found borders")
-
-    def plain_borders(gm: fx.GraphModule) -> PassResult:
-        return apply_plain_borders(gm, borders)
-
-    f.run("plain_borders", plain_borders)
+    f.run("plain_borders", apply_plain_borders, f.borders)
     # the rewrite moved nodes: the layers are found again on the new graph
     f.plan = find_layer_spans(f.gm)
     if not f.plan.shared:
         # a safety net, no known case: the rewrite is the identity in forward
-        f.decision = Decision(Reason.NO_SHARED_LAYER, f.plan.reason or "no two layers share a key")
+        f.decision = no_shared_layer(f.plan)
 
 
 def _split_layers(f: FrameState) -> None:
     from ..layer_sharing.split import split_layers
 
-    plan = f.plan
-    if plan is None:
-        raise AssertionError("split_layers runs only after plan_layers")
-
-    def split(gm: fx.GraphModule) -> PassResult:
-        return split_layers(gm, plan)
-
     f.observer.lowered(f.gm)
-    f.run("split_layers", split)
+    f.run("split_layers", split_layers, f.plan)
 
 
 def _inner(f: FrameState) -> None:
@@ -192,7 +178,7 @@ def _layer_runs(f: FrameState) -> None:
 
 
 def _pass(name: str, p: Callable[[BackendOptions], Pass]) -> Callable[[FrameState], None]:
-    return lambda f: f.run(name, p(f.opts))
+    return lambda f: f.run(name, p(f.opts))  # the pass is named by its stage
 
 
 STAGES: tuple[Stage, ...] = (

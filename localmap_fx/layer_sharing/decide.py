@@ -64,6 +64,7 @@ __all__ = [
     "Reason",
     "decide",
     "layer_cost",
+    "no_shared_layer",
     "span_flops",
 ]
 
@@ -143,7 +144,7 @@ def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = N
     if share_layers is False:
         return Decision(Reason.OFF, "share_layers=False")
     if not plan.shared:
-        return Decision(Reason.NO_SHARED_LAYER, plan.reason or "no two layers share a key")
+        return no_shared_layer(plan)
     # layers found (the last one may be its own piece: Note: [Where layers are cut])
     most = len(plan.spans)
     if share_layers == "auto":
@@ -161,6 +162,11 @@ def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = N
             return Decision(Reason.NOT_WORTH_IT, f"share_layers='auto': {most} layers, but pieces would run slower "
                                                  f"than one graph: {cost.text()}")
     return Decision(Reason.SHARE, f"share_layers={share_layers!r}: {len(plan.shared)} of {most} layers shared")
+
+
+def no_shared_layer(plan: LayerPlan) -> Decision:
+    """The decision for a plan in which no two layers share a key."""
+    return Decision(Reason.NO_SHARED_LAYER, plan.reason or "no two layers share a key")
 
 
 def layer_cost(plan: LayerPlan) -> LayerCost | None:
