@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from ..layer_sharing.decide import Decision
     from ..layer_sharing.plan import LayerPlan
 
-__all__ = ["STAGES", "Stage", "graph_passes", "compile_graph"]
+__all__ = ["STAGES", "Stage", "FrameState", "compile_graph"]
 
 
 @dataclasses.dataclass
@@ -105,14 +105,6 @@ def _lower(opts: BackendOptions) -> Pass:
         return _lower_boundaries(gm, typecheck=opts.typecheck)
 
     return lower_boundaries
-
-
-def graph_passes(opts: BackendOptions) -> list[Pass]:
-    """The graph-to-graph passes :data:`STAGES` runs before layers are planned, in order."""
-    ps: list[Pass] = [outline_regions if _outlines(opts) else inline_shared_bodies, _lower(opts)]
-    if opts.fuse_boundaries:
-        ps.append(fuse_boundaries)
-    return ps
 
 
 def _plan_layers(f: FrameState) -> None:
