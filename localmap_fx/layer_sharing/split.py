@@ -35,8 +35,6 @@ class PieceMeta:
     layer: int | None  # the layer it serves; None for a prefix / tail / merged piece
     key: tuple | None  # its layer key; None when it is compiled for this call only
     reason: str | None  # why it is not one shared layer, None when it is
-    nodes: tuple[int, int]  # [start, stop) in the plan's compute nodes
-    inputs: tuple[str, ...]  # names of the outer values it reads
 
 def _copy_span(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs, outputs, name: str) -> fx.GraphModule:
     names = [f"in{i}_{a.name}" for i, a in enumerate(inputs)]
@@ -136,8 +134,6 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
             piece_span.index if piece_span is not None else None,
             piece_span.key if piece_span is not None else None,
             _piece_reason(piece_spans, a, b, len(nodes)),
-            (a, b),
-            tuple(i.name for i in inputs),
         )
         for j, o in enumerate(outputs):
             g = outer.call_function(operator.getitem, (call, j))
