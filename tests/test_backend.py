@@ -170,8 +170,9 @@ def test_spmd_check_leaves_no_work_in_the_compiled_graph():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"share_layers": False}, {"share_layers": False, "outline": False}, {"fuse_boundaries": False}],
-    ids=["default", "no_sharing", "no_outline", "no_fuse"],
+    [{}, {"share_layers": False}, {"share_layers": False, "outline": False}, {"fuse_boundaries": False},
+     {"share_layers": True}],
+    ids=["default", "no_sharing", "no_outline", "no_fuse", "shared"],
 )
 def test_observed_stages_are_the_pipeline_stages_in_order(options):
     # STAGES is the one list of what a frame goes through: every stage a
@@ -188,3 +189,5 @@ def test_observed_stages_are_the_pipeline_stages_in_order(options):
     bodies = "outline_regions" if options.get("share_layers") is False and options.get("outline", True) else "inline_shared_bodies"
     assert bodies in seen and ({"outline_regions", "inline_shared_bodies"} - {bodies}).isdisjoint(seen)
     assert ("fuse_boundaries" in seen) == options.get("fuse_boundaries", True)
+    # a split frame's rewrites are stages too
+    assert ({"split_layers", "layer_runs"} <= set(seen)) == (options.get("share_layers") is True), seen

@@ -308,6 +308,12 @@ def test_auto_policy_shares_from_the_threshold_on():
         assert decide(plan, "auto").reason is (Reason.SHARE if expect else Reason.FEW_LAYERS), n
         assert decide(plan, True).shares
         assert decide(plan, False) == Decision(Reason.OFF, "share_layers=False")
+        if expect:
+            # Note: [No DTensor at an automatic border]: "auto" keeps one graph, True shares anyway
+            crossing = decide(plan, "auto", dtensor_borders=("a", "b", "c", "d"))
+            assert crossing.reason is Reason.DTENSOR_AT_BORDER and "(a, b, c, ...)" in crossing.text
+            assert crossing.why_whole == crossing.text
+            assert decide(plan, True, dtensor_borders=("a",)).shares
 
 
 def test_inductor_generates_kernels_once_per_distinct_layer():
