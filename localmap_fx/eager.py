@@ -39,20 +39,22 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._api import _FromTorchTensor, _ToTorchTensor
-from torch.distributed.tensor._utils import assert_no_mixed_partial_types
+from torch.distributed.tensor._utils import assert_no_mixed_partial_types, compute_global_tensor_info
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from . import validate
-from ._pytree import flatten_args, pytree, unflatten_args
+from .boundary import ArgBoundary, BoundaryPlan, input_grad
+from ._pytree import _LEAF_TYPES, flatten_args, pytree, unflatten_args
 from .meshcache import MeshCache
 from .shapes import contiguous_stride, output_global_shape
 
 if TYPE_CHECKING:
     from .api import LocalMap
 
-__all__ = ["EagerPlan", "call_eager", "wrap_outputs"]
+__all__ = ["EagerPlan", "CallLayout", "call_eager", "wrap_outputs"]
 
 _Tensor = torch.Tensor
+_Size = torch.Size
 _is_grad_enabled = torch.is_grad_enabled
 _to_local_fn = _ToTorchTensor.apply
 _from_local_fn = _FromTorchTensor.apply
@@ -92,6 +94,7 @@ class EagerPlan:
 
     __slots__ = (
         "in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts", "grad_fits", "out_fits",
+        "layout", "out_shapes",
     )
 
     def __init__(self, lm: LocalMap) -> None:
@@ -119,6 +122,13 @@ class EagerPlan:
         # and the outputs' out_placements that passed their placement checks
         self.grad_fits: set[tuple[int, int, int]] = set()
         self.out_fits: set[tuple[int, int, int]] = set()
+        # the last call layout that took the fast path (Note: [Eager fast path])
+        self.layout: CallLayout | None = None
+        # {output index: (mesh, local shape, local stride, global shape,
+        # global stride)} of its last from_local (see _global_info); the mesh
+        # is held weakly through its entry being replaced or the plan dropped
+        # with the LocalMap
+        self.out_shapes: dict[int, tuple] = {}
 
     def spmd_plan(self, lm: LocalMap, mesh):
         """The cached :class:`localmap_fx.spmd.types.SpmdPlan` for ``mesh``."""
@@ -205,8 +215,162 @@ def _unevenly_sharded(arg: DTensor) -> bool:
     return False
 
 
+class CallLayout:
+    """A call layout the fast path can take again (Note: [Eager fast path]).
+
+    ``steps`` has per args leaf ``(mesh, placements, global shape, grad)``
+    for a DTensor argument (the mesh held weakly), ``grad`` being what its
+    ``to_local`` is given, and ``(None, tensor_only, None, None)`` for an
+    argument passed through, ``tensor_only`` saying whether it must be a
+    tensor (its in_placements entry is not None).  ``boundary`` is the call's
+    :class:`localmap_fx.boundary.BoundaryPlan` (arguments only: outputs are
+    known after the body).
+    """
+
+    __slots__ = ("steps", "mesh", "cpu", "boundary")
+
+    def __init__(self, steps: tuple, mesh: Any, boundary: BoundaryPlan) -> None:
+        self.steps = steps
+        self.mesh = _weakref(mesh)  # Note: [Caches keyed on a mesh]
+        self.cpu = mesh.device_type == "cpu"
+        self.boundary = boundary
+
+
+_MISS = object()
+
+
+def _call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwargs: dict) -> Any:
+    """The call, if its arguments have ``lay``'s layout; else ``_MISS`` (nothing done).
+
+    Per call only what the decisions depend on is compared: each argument's
+    type, mesh (by identity), placements and global shape (the mesh check,
+    the placement and gradient checks and evenness depend on nothing else),
+    whether it is a Parameter, and grad mode.
+    """
+    steps = lay.steps
+    if len(args) != len(steps):
+        return _MISS
+    grad_enabled = _is_grad_enabled()
+    flat_local = []
+    for a, (on, placements, shape, grad) in zip(args, steps):
+        if on is None:
+            tensor_only = placements
+            t = type(a)
+            if isinstance(a, DTensor) or (t not in _LEAF_TYPES and not isinstance(a, _Tensor)):
+                return _MISS  # a DTensor, or a container pytree would flatten
+            if tensor_only and not isinstance(a, _Tensor):
+                return _MISS  # raises on the full path
+            flat_local.append(a)
+        elif type(a) is DTensor and not getattr(a, "_is_param", False):
+            spec = a._spec
+            if spec.mesh is not on() or spec.placements != placements or spec.tensor_meta.shape != shape:
+                return _MISS
+            local = _to_local_fn(a, grad) if grad_enabled else a._local_tensor
+            if type(local) is not _Tensor and isinstance(local, AsyncCollectiveTensor):
+                local = local.wait()
+            flat_local.append(local)
+        else:
+            return _MISS
+    mesh = lay.mesh()
+    if mesh is None:
+        return _MISS
+    out = _run_body(lm, plan, flat_local, tuple(flat_local), kwargs, mesh)
+    dist = _wrap_fast(lm, plan, lay, out, mesh)
+    if dist is _MISS:
+        return wrap_outputs(lm, out, mesh)
+    return dist
+
+
+def _wrap_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, out: Any, mesh: Any) -> Any:
+    """:func:`wrap_outputs` for outputs seen before (same count, shapes,
+    strides, device): ``_MISS`` for anything else, before any output is wrapped."""
+    t = type(out)
+    if t is _Tensor:
+        outs: tuple = (out,)
+    elif t is tuple:
+        outs = out
+    else:
+        return _MISS
+    out_specs = plan.out_specs
+    if len(outs) != len(out_specs):
+        return _MISS
+    shapes = plan.out_shapes
+    infos = []
+    for idx, o in enumerate(outs):
+        info = shapes.get(idx)
+        if (
+            info is None
+            or type(o) is not _Tensor
+            or info[0]() is not mesh
+            or not (o.is_cpu if lay.cpu else o.device.type == mesh.device_type)
+            or o.shape != info[1]
+            or o.stride() != info[2]
+        ):
+            return _MISS
+        infos.append(info)
+    grads = _out_grads(lm, plan, list(outs), mesh) if lm.spmd_types else None
+    ready = plan.out_ready
+    flat_dist = []
+    for idx, (o, info) in enumerate(zip(outs, infos)):
+        grad = None if grads is None else grads[idx]
+        flat_dist.append(
+            _from_local_fn(o, mesh, ready[idx], False, info[3], info[4], tuple(grad) if grad is not None else None)
+        )
+    return flat_dist[0] if t is _Tensor else tuple(flat_dist)
+
+
+def _global_info(plan: EagerPlan, idx: int, o: torch.Tensor, mesh: Any, placements: tuple) -> tuple:
+    """``(global shape, global stride)`` of output ``idx`` as ``from_local``
+    would compute them (``compute_global_tensor_info``), kept for the next
+    call with the same local shape and stride."""
+    info = plan.out_shapes.get(idx)
+    shape, stride = o.shape, o.stride()
+    if info is None or info[0]() is not mesh or info[1] != shape or info[2] != stride:
+        gshape, gstride = compute_global_tensor_info(o, mesh, list(placements))
+        info = (_weakref(mesh), shape, stride, _Size(gshape), tuple(gstride))
+        plan.out_shapes[idx] = info
+    return info[3], info[4]
+
+
+def _run_body(lm: LocalMap, plan: EagerPlan, flat_local: list, local_args: Any, kwargs: dict, mesh: Any) -> Any:
+    """The user's function on the local tensors (under the SPMD checker when asked)."""
+    if not lm.spmd_types:
+        return lm.func(*local_args, **kwargs)
+    from .spmd import types as spmd  # imported with spmd_types only when used
+
+    splan = plan.spmd_plan(lm, mesh)
+    try:
+        splan.annotate_inputs(flat_local, plan.in_specs, plan.in_grads)
+    except ValueError as e:
+        raise spmd.explain(e, mesh) from None
+    if lm.spmd_types == "global":
+        from .spmd.global_check import run_eager
+
+        return run_eager(lm.func, local_args, kwargs, flat_local, plan.in_specs, plan.out_specs, mesh, splan.checking)
+    try:
+        with splan.checking():
+            return lm.func(*local_args, **kwargs)
+    except spmd.spmd.SpmdTypeError as e:
+        raise spmd.explain(e, mesh) from None
+
+
+def _out_grads(lm: LocalMap, plan: EagerPlan, flat_out: list, mesh: Any) -> tuple:
+    """spmd_types=True: each output's gradient placements, from its SPMD type."""
+    try:
+        return plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, plan.out_specs)
+    except ValueError as e:
+        from .spmd import types as spmd
+
+        raise spmd.explain(e, mesh) from None
+
+
 def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     plan = lm._eager_plan or _plan(lm)
+    lay = plan.layout
+    if lay is not None:
+        out = _call_fast(lm, plan, lay, args, kwargs)
+        if out is not _MISS:
+            return out
     flat_args, args_spec = flatten_args(args)
     in_specs = plan.in_specs
     in_grads = plan.in_grads
@@ -220,6 +384,12 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     grad_enabled = _is_grad_enabled()
     flat_local: list = []
     uneven_in: list = []  # see localmap_fx/shapes.py
+    # the fast path can take this layout again: flat arguments, every DTensor
+    # a plain, evenly sharded one already placed as in_placements asks
+    reusable = args_spec is None and lm.spmd_types != "global" and (
+        in_specs is None or type(in_specs) is tuple) and (in_grads is None or type(in_grads) is tuple)
+    steps: list = []
+    bounds: list[ArgBoundary] = []
     for idx, arg in enumerate(flat_args):
         if isinstance(arg, DTensor):
             if mesh is None:
@@ -227,76 +397,66 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             elif lm.device_mesh is not None and arg.device_mesh is not mesh:
                 validate.check_arg_mesh(arg.device_mesh, mesh, idx)
             seen_dtensor = True
+            source = arg.placements
+            target = None
             if in_specs is not None:
                 spec = in_specs[idx]
                 if type(spec) is not tuple or arg.placements != spec:
                     # None, a non-sequence, or a mismatch: validate raises
                     # torch's error or asks for a redistribution.
+                    reusable = False
                     if validate.check_dtensor_in_spec(arg, idx, spec, lm.redistribute_inputs):
+                        target = validate.as_placements(spec)
                         arg = _redistribute_checked(arg, idx, spec, _later_dtensors(flat_args, in_specs, idx))
             layout = arg._spec
             ref = plan.known_layouts.get(idx)
             known = ref is not None and ref() is layout
+            given = None
             if in_grads is not None:
-                grad = in_grads[idx]
-                if type(grad) is not tuple:
-                    grad = validate.check_dtensor_grad_spec(arg, idx, grad)
+                given = in_grads[idx]
+                if type(given) is not tuple:
+                    reusable = False
+                    given = validate.check_dtensor_grad_spec(arg, idx, given)
                 if not known:
-                    _check_grad_once(plan, idx, grad, arg, flat_args)
-            else:
-                grad = None
-            if grad is None and lm.spmd_types:
-                from .spmd.types import typed_in_grad_placements  # R -> Partial, see there
-
-                grad = typed_in_grad_placements(arg.placements)
+                    _check_grad_once(plan, idx, given, arg, flat_args)
+            grad = input_grad(arg.placements, given, bool(lm.spmd_types))
             # arg.to_local(grad_placements=grad), see Note: [Eager fast path]
             if type(arg) is DTensor and not getattr(arg, "_is_param", False):
                 local = _to_local_fn(arg, grad) if grad_enabled else arg._local_tensor
-            elif grad is None:
-                local = arg.to_local()
             else:
-                local = arg.to_local(grad_placements=grad)
+                reusable = False
+                local = arg.to_local() if grad is None else arg.to_local(grad_placements=grad)
             if isinstance(local, AsyncCollectiveTensor):
                 local = local.wait()
             if not known:
                 if _unevenly_sharded(arg):
+                    reusable = False
                     uneven_in.append((arg.placements, tuple(arg.shape), tuple(local.shape)))
                 else:
                     plan.known_layouts[idx] = _weakref(layout)
+            if reusable:
+                steps.append((_weakref(arg.device_mesh), arg.placements, layout.tensor_meta.shape, grad))
+                bounds.append(ArgBoundary(idx, source, target, grad))
             flat_local.append(local)
         else:
             if in_specs is not None and not isinstance(arg, _Tensor):
                 # the error prints the entry as the user wrote it
                 validate.check_non_tensor_input(arg, idx, lm.in_placements[idx])
+            steps.append((None, in_specs is not None and in_specs[idx] is not None, None, None))
             flat_local.append(arg)
 
     local_args = tuple(flat_local) if args_spec is None else unflatten_args(flat_local, args_spec)
 
-    if lm.spmd_types and seen_dtensor:
-        validate.check_spmd_types_available()
-        from .spmd import types as spmd  # imported with spmd_types only when used
-
-        splan = plan.spmd_plan(lm, mesh)
-        try:
-            splan.annotate_inputs(flat_local, in_specs, in_grads)
-        except ValueError as e:
-            raise spmd.explain(e, mesh) from None
-        if lm.spmd_types == "global":
-            from .spmd.global_check import run_eager
-
-            out = run_eager(lm.func, local_args, kwargs, flat_local, in_specs, plan.out_specs, mesh, splan.checking)
-        else:
-            try:
-                with splan.checking():
-                    out = lm.func(*local_args, **kwargs)
-            except spmd.spmd.SpmdTypeError as e:
-                raise spmd.explain(e, mesh) from None
-    else:
-        out = lm.func(*local_args, **kwargs)
-
     if not seen_dtensor:
-        return out
-    return wrap_outputs(lm, out, mesh, uneven_in)
+        # torch runs the function untouched when no DTensor is given: no region.
+        return lm.func(*local_args, **kwargs)
+    if lm.spmd_types:
+        validate.check_spmd_types_available()
+    out = _run_body(lm, plan, flat_local, local_args, kwargs, mesh)
+    dist = wrap_outputs(lm, out, mesh, uneven_in)
+    if reusable:
+        plan.layout = CallLayout(tuple(steps), mesh, BoundaryPlan(tuple(bounds)))
+    return dist
 
 
 def _flatten_out(out: Any) -> tuple[list, Any]:
@@ -331,14 +491,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
             # completed.
             o.wait()
 
-    grad_specs = None
-    if lm.spmd_types:
-        try:
-            grad_specs = plan.spmd_plan(lm, mesh).out_grad_placements(flat_out, out_specs)
-        except ValueError as e:
-            from .spmd import types as spmd
-
-            raise spmd.explain(e, mesh) from None
+    grad_specs = _out_grads(lm, plan, flat_out, mesh) if lm.spmd_types else None
 
     ready = plan.out_ready
     device_type = mesh.device_type
@@ -367,15 +520,18 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
                 (o.is_cpu if device_type == "cpu" else o.device.type == device_type) or o.is_meta
             ):
                 # What DTensor.from_local(o, mesh, spec, run_check=False,
-                # grad_placements=grad) passes to its autograd Function.
+                # grad_placements=grad) passes to its autograd Function, with
+                # the global shape and stride it would compute (kept per
+                # output: Note: [Eager fast path]).
                 try:
+                    shape, stride = _global_info(plan, idx, o, mesh, placements)
                     dt = _from_local_fn(
                         o,
                         mesh,
                         placements,
                         False,
-                        None,
-                        None,
+                        shape,
+                        stride,
                         tuple(grad) if grad is not None else None,
                     )
                 except (IndexError, RuntimeError, TypeError, ValueError) as e:
