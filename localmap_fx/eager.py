@@ -43,8 +43,8 @@ from torch.distributed.tensor._utils import assert_no_mixed_partial_types, compu
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 from . import validate
-from .boundary import ArgBoundary, BoundaryPlan, input_grad
 from ._pytree import _LEAF_TYPES, flatten_args, pytree, unflatten_args
+from .boundary import ArgBoundary, BoundaryPlan, input_grad
 from .meshcache import MeshCache
 from .shapes import contiguous_stride, output_global_shape
 
