@@ -51,7 +51,7 @@ from .shapes import contiguous_stride, output_global_shape
 if TYPE_CHECKING:
     from .api import LocalMap
 
-__all__ = ["EagerPlan", "CallLayout", "call_eager", "wrap_outputs"]
+__all__ = ["EagerPlan", "CallLayout", "MISS", "call_eager", "call_fast", "wrap_outputs"]
 
 _Tensor = torch.Tensor
 _Size = torch.Size
@@ -236,11 +236,11 @@ class CallLayout:
         self.boundary = boundary
 
 
-_MISS = object()
+MISS = object()
 
 
-def _call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwargs: dict) -> Any:
-    """The call, if its arguments have ``lay``'s layout; else ``_MISS`` (nothing done).
+def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwargs: dict) -> Any:
+    """The call, if its arguments have ``lay``'s layout; else ``MISS`` (nothing done).
 
     Per call only what the decisions depend on is compared: each argument's
     type, mesh (by identity), placements and global shape (the mesh check,
@@ -249,7 +249,7 @@ def _call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwar
     """
     steps = lay.steps
     if len(args) != len(steps):
-        return _MISS
+        return MISS
     grad_enabled = _is_grad_enabled()
     flat_local = []
     for a, (on, placements, shape, grad) in zip(args, steps):
@@ -257,46 +257,53 @@ def _call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwar
             tensor_only = placements
             t = type(a)
             if isinstance(a, DTensor) or (t not in _LEAF_TYPES and not isinstance(a, _Tensor)):
-                return _MISS  # a DTensor, or a container pytree would flatten
+                return MISS  # a DTensor, or a container pytree would flatten
             if tensor_only and not isinstance(a, _Tensor):
-                return _MISS  # raises on the full path
+                return MISS  # raises on the full path
             flat_local.append(a)
         elif type(a) is DTensor and not getattr(a, "_is_param", False):
             spec = a._spec
             if spec.mesh is not on() or spec.placements != placements or spec.tensor_meta.shape != shape:
-                return _MISS
+                return MISS
             local = _to_local_fn(a, grad) if grad_enabled else a._local_tensor
             if type(local) is not _Tensor and isinstance(local, AsyncCollectiveTensor):
                 local = local.wait()
             flat_local.append(local)
         else:
-            return _MISS
+            return MISS
     mesh = lay.mesh()
     if mesh is None:
-        return _MISS
+        return MISS
     out = _run_body(lm, plan, flat_local, tuple(flat_local), kwargs, mesh)
     dist = _wrap_fast(lm, plan, lay, out, mesh)
-    if dist is _MISS:
+    if dist is MISS:
         return wrap_outputs(lm, out, mesh)
     return dist
 
 
 def _wrap_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, out: Any, mesh: Any) -> Any:
     """:func:`wrap_outputs` for outputs seen before (same count, shapes,
-    strides, device): ``_MISS`` for anything else, before any output is wrapped."""
+    strides, device): ``MISS`` for anything else, before any output is wrapped."""
     t = type(out)
     if t is _Tensor:
-        outs: tuple = (out,)
-    elif t is tuple:
-        outs = out
-    else:
-        return _MISS
-    out_specs = plan.out_specs
-    if len(outs) != len(out_specs):
-        return _MISS
+        # one tensor output: the common case, without lists
+        info = plan.out_shapes.get(0)
+        if (
+            info is None
+            or len(plan.out_specs) != 1
+            or info[0]() is not mesh
+            or not (out.is_cpu if lay.cpu else out.device.type == mesh.device_type)
+            or out.shape != info[1]
+            or out.stride() != info[2]
+        ):
+            return MISS
+        grad = _out_grads(lm, plan, [out], mesh)[0] if lm.spmd_types else None
+        return _from_local_fn(out, mesh, plan.out_ready[0], False, info[3], info[4], grad)
+    if t is not tuple or len(out) != len(plan.out_specs):
+        return MISS
     shapes = plan.out_shapes
     infos = []
-    for idx, o in enumerate(outs):
+    for idx, o in enumerate(out):
         info = shapes.get(idx)
         if (
             info is None
@@ -306,17 +313,17 @@ def _wrap_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, out: Any, mesh: A
             or o.shape != info[1]
             or o.stride() != info[2]
         ):
-            return _MISS
+            return MISS
         infos.append(info)
-    grads = _out_grads(lm, plan, list(outs), mesh) if lm.spmd_types else None
+    grads = _out_grads(lm, plan, list(out), mesh) if lm.spmd_types else None
     ready = plan.out_ready
     flat_dist = []
-    for idx, (o, info) in enumerate(zip(outs, infos)):
+    for idx, (o, info) in enumerate(zip(out, infos)):
         grad = None if grads is None else grads[idx]
         flat_dist.append(
             _from_local_fn(o, mesh, ready[idx], False, info[3], info[4], tuple(grad) if grad is not None else None)
         )
-    return flat_dist[0] if t is _Tensor else tuple(flat_dist)
+    return tuple(flat_dist)
 
 
 def _global_info(plan: EagerPlan, idx: int, o: torch.Tensor, mesh: Any, placements: tuple) -> tuple:
@@ -366,11 +373,6 @@ def _out_grads(lm: LocalMap, plan: EagerPlan, flat_out: list, mesh: Any) -> tupl
 
 def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     plan = lm._eager_plan or _plan(lm)
-    lay = plan.layout
-    if lay is not None:
-        out = _call_fast(lm, plan, lay, args, kwargs)
-        if out is not _MISS:
-            return out
     flat_args, args_spec = flatten_args(args)
     in_specs = plan.in_specs
     in_grads = plan.in_grads
