@@ -10,7 +10,7 @@ does depends only on the call's layout, so it is decided once, as a
     call layout -> BoundaryPlan                  rendered by
     ----------------------------------------     --------------------------------
     in[0] R grad P   in[1] S(1) grad S(1)        eager: _ToTorchTensor.apply(arg, grad)
-    out[0] S(1) shape (64, 128) grad default     capture: redistribute/to_local/from_local nodes
+    out[0] S(1) shape (64, 128) grad S(1)        capture: redistribute/to_local/from_local nodes
                                                  lowering: the same nodes, every grad explicit
 
 Gradient placements are derived here and nowhere else:
@@ -64,7 +64,7 @@ class ArgBoundary:
 
     def text(self) -> str:
         move = "" if self.target is None else f"->{placements_str(self.target)}"
-        grad = "default" if self.grad is None else placements_str(self.grad)
+        grad = placements_str(explicit_grad(self.local_placements, self.grad))
         return f"in[{self.index}] {placements_str(self.placements)}{move} grad {grad}"
 
 
@@ -79,7 +79,7 @@ class OutBoundary:
 
     def text(self) -> str:
         shape = "" if self.shape is None else f" shape {tuple(self.shape)}"
-        grad = "default" if self.grad is None else placements_str(self.grad)
+        grad = placements_str(explicit_grad(self.placements, self.grad))
         return f"out[{self.index}] {placements_str(self.placements)}{shape} grad {grad}"
 
 
@@ -91,7 +91,10 @@ class BoundaryPlan:
     outs: tuple[OutBoundary, ...] = ()
 
     def text(self) -> str:
-        return "; ".join(b.text() for b in (*self.args, *self.outs)) or "no boundary"
+        """E.g. ``in[0] R grad P; in[1] S(0)->S(1) grad S(1); out[0] P shape (8, 8) grad R``
+        (gradient placements written out, DTensor's default included)."""
+        parts = [a.text() for a in self.args] + [o.text() for o in self.outs]
+        return "; ".join(parts) or "no boundary"
 
     def with_outs(self, outs: Iterable[OutBoundary]) -> BoundaryPlan:
         return dataclasses.replace(self, outs=tuple(outs))

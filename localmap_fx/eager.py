@@ -119,9 +119,10 @@ class EagerPlan:
         # (held weakly: a DTensorSpec holds its mesh; Note: [Caches keyed on a mesh])
         self.known_layouts: dict = {}
         # (index, mesh ndim, tensor ndim) of the arguments' in_grad_placements
-        # and the outputs' out_placements that passed their placement checks
+        # and (index, mesh ndim) of the outputs' out_placements that passed
+        # their placement checks
         self.grad_fits: set[tuple[int, int, int]] = set()
-        self.out_fits: set[tuple[int, int, int]] = set()
+        self.out_fits: set[tuple[int, int]] = set()
         # the last call layout that took the fast path (Note: [Eager fast path])
         self.layout: CallLayout | None = None
         # {output index: (mesh, local shape, local stride, global shape,
@@ -181,22 +182,22 @@ def _check_grad_once(plan: EagerPlan, idx: int, grad: Any, arg: DTensor, flat_ar
         seen.add(key)
 
 
-def _check_out_once(plan: EagerPlan, idx: int, spec: Any, out: torch.Tensor, mesh, flat_out: list) -> None:
+def _check_out_once(plan: EagerPlan, idx: int, spec: Any, mesh, flat_out: list) -> None:
     """validate.check_out_spec_fits, once per function, output and layout."""
-    key = (idx, mesh.ndim, out.ndim)
+    key = (idx, mesh.ndim)
     seen = plan.out_fits
     if key not in seen:
         later = _later_tensor_outputs(flat_out, plan.out_specs, idx)
-        validate.check_out_spec_fits(spec, idx, mesh.ndim, out.ndim, later)
+        validate.check_out_spec_fits(spec, idx, mesh.ndim, later)
         seen.add(key)
 
 
 def _later_tensor_outputs(flat_out: list, out_specs: tuple, idx: int):
-    """``(index, spec, ndim)`` of the plain tensor outputs after ``idx``."""
+    """``(index, spec)`` of the plain tensor outputs after ``idx``."""
     for j in range(idx + 1, len(flat_out)):
         o = flat_out[j]
         if isinstance(o, _Tensor) and not isinstance(o, DTensor):
-            yield j, out_specs[j], o.ndim
+            yield j, out_specs[j]
 
 
 def _out_hint(e: BaseException, idx: int, spec: Any, out: torch.Tensor, mesh) -> BaseException:
@@ -218,7 +219,7 @@ def _unevenly_sharded(arg: DTensor) -> bool:
 class CallLayout:
     """A call layout the fast path can take again (Note: [Eager fast path]).
 
-    ``steps`` has per args leaf ``(mesh, placements, global shape, grad)``
+    ``steps`` has per args leaf ``(mesh, placements, tensor meta, grad)``
     for a DTensor argument (the mesh held weakly), ``grad`` being what its
     ``to_local`` is given, and ``(None, tensor_only, None, None)`` for an
     argument passed through, ``tensor_only`` saying whether it must be a
@@ -243,8 +244,9 @@ def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwarg
     """The call, if its arguments have ``lay``'s layout; else ``MISS`` (nothing done).
 
     Per call only what the decisions depend on is compared: each argument's
-    type, mesh (by identity), placements and global shape (the mesh check,
-    the placement and gradient checks and evenness depend on nothing else),
+    type, mesh (by identity), placements and tensor meta (global shape,
+    stride, dtype: the mesh check, the placement and gradient checks and
+    evenness depend on nothing else),
     whether it is a Parameter, and grad mode.
     """
     steps = lay.steps
@@ -252,7 +254,7 @@ def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwarg
         return MISS
     grad_enabled = _is_grad_enabled()
     flat_local = []
-    for a, (on, placements, shape, grad) in zip(args, steps):
+    for a, (on, placements, meta, grad) in zip(args, steps):
         if on is None:
             tensor_only = placements
             t = type(a)
@@ -263,7 +265,7 @@ def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwarg
             flat_local.append(a)
         elif type(a) is DTensor and not getattr(a, "_is_param", False):
             spec = a._spec
-            if spec.mesh is not on() or spec.placements != placements or spec.tensor_meta.shape != shape:
+            if spec.mesh is not on() or spec.placements != placements or spec.tensor_meta != meta:
                 return MISS
             local = _to_local_fn(a, grad) if grad_enabled else a._local_tensor
             if type(local) is not _Tensor and isinstance(local, AsyncCollectiveTensor):
@@ -437,7 +439,7 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
                 else:
                     plan.known_layouts[idx] = _weakref(layout)
             if reusable:
-                steps.append((_weakref(arg.device_mesh), arg.placements, layout.tensor_meta.shape, grad))
+                steps.append((_weakref(arg.device_mesh), arg.placements, layout.tensor_meta, grad))
                 bounds.append(ArgBoundary(idx, source, target, grad))
             flat_local.append(local)
         else:
@@ -503,7 +505,7 @@ def wrap_outputs(lm: LocalMap, out: Any, mesh, uneven_in: list | None = None) ->
         if isinstance(o, DTensor) or not isinstance(o, _Tensor):
             validate.check_output_value(o, idx, spec)
         if isinstance(o, _Tensor):
-            _check_out_once(plan, idx, spec, o, mesh, flat_out)
+            _check_out_once(plan, idx, spec, mesh, flat_out)
             grad = None if grad_specs is None else grad_specs[idx]
             placements = ready[idx]
             if uneven_in:
