@@ -28,6 +28,26 @@ Note: [Eager fast path]
     those of torch's ``local_map``; ``tests/test_eager_parity.py`` checks it.
     Specs are read when ``local_map`` is applied: changing the lists passed
     as ``in_placements``/``out_placements`` afterwards is not supported.
+
+    A repeated call pays only for what can change between calls.  The first
+    call of a layout runs :func:`call_eager` (every check, in torch's order)
+    and, when its arguments are flat and every DTensor among them is a plain,
+    evenly sharded one already placed as in_placements asks, keeps a
+    :class:`CallLayout`: per argument the mesh, placements, tensor meta and
+    the gradient placements its ``to_local`` gets (the arguments of the
+    call's :class:`localmap_fx.boundary.BoundaryPlan`).  ``LocalMap.__call__``
+    then runs :func:`call_fast`, which compares each argument with it (type,
+    Parameter or not, mesh by identity, placements, tensor meta), reads grad
+    mode, and calls the two autograd Functions; ``from_local`` is given the
+    global shape and stride it would compute itself
+    (``compute_global_tensor_info``), kept per output and reused while the
+    local shape and stride are the same.  The body and the SPMD checks
+    (``spmd_types=True``: ``assert_type`` on each input, the checker, the
+    outputs' types) run on every call.  An argument that differs returns
+    :data:`MISS` before the body runs (local views already taken of earlier
+    arguments are dropped: ``to_local`` has no other effect) and the call
+    takes the full path; outputs that differ from the last ones are wrapped
+    by :func:`wrap_outputs`.
 """
 
 from __future__ import annotations
@@ -241,7 +261,7 @@ MISS = object()
 
 
 def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwargs: dict) -> Any:
-    """The call, if its arguments have ``lay``'s layout; else ``MISS`` (nothing done).
+    """The call, if its arguments have ``lay``'s layout; else ``MISS`` (the body not run).
 
     Per call only what the decisions depend on is compared: each argument's
     type, mesh (by identity), placements and tensor meta (global shape,
