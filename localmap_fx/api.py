@@ -156,12 +156,13 @@ class LocalMap:
 
             return call_captured(self, args, kwargs)
         plan = self._eager_plan
-        if plan is not None and plan.layout is not None:
+        if plan is not None:
             # a call layout seen before (Note: [Eager fast path]); containers
             # and every other change fall through to the full path
-            out = call_fast(self, plan, plan.layout, args, kwargs)
-            if out is not MISS:
-                return out
+            for layout in plan.layouts:
+                out = call_fast(self, plan, layout, args, kwargs)
+                if out is not MISS:
+                    return out
         if self.param_names is not None or _maybe_nested(self.in_placements, args):
             return _call_nested_eager(self, args, kwargs)
         return call_eager(self, args, kwargs)

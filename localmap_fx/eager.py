@@ -33,7 +33,8 @@ Note: [Eager fast path]
     call of a layout runs :func:`call_eager` (every check, in torch's order)
     and, when its arguments are flat and every DTensor among them is a plain,
     evenly sharded one already placed as in_placements asks, keeps a
-    :class:`CallLayout`: per argument the mesh, placements, tensor meta and
+    :class:`CallLayout` (the last 8 layouts are kept, so that a function
+    called with a few layouts in turn takes the fast path for each): per argument the mesh, placements, tensor meta and
     the gradient placements its ``to_local`` gets (the arguments of the
     call's :class:`localmap_fx.boundary.BoundaryPlan`).  ``LocalMap.__call__``
     then runs :func:`call_fast`, which compares each argument with it (type,
@@ -44,10 +45,9 @@ Note: [Eager fast path]
     local shape and stride are the same.  The body and the SPMD checks
     (``spmd_types=True``: ``assert_type`` on each input, the checker, the
     outputs' types) run on every call.  An argument that differs returns
-    :data:`MISS` before the body runs (local views already taken of earlier
-    arguments are dropped: ``to_local`` has no other effect) and the call
-    takes the full path; outputs that differ from the last ones are wrapped
-    by :func:`wrap_outputs`.
+    :data:`MISS` before anything is done, and the next layout is tried, then
+    the full path; outputs that differ from the ones seen with the layout
+    are wrapped by :func:`wrap_outputs`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class EagerPlan:
 
     __slots__ = (
         "in_specs", "in_grads", "out_specs", "out_ready", "spmd_cache", "known_layouts", "grad_fits", "out_fits",
-        "layout", "out_shapes",
+        "layouts", "out_shapes",
     )
 
     def __init__(self, lm: LocalMap) -> None:
@@ -143,12 +143,12 @@ class EagerPlan:
         # their placement checks
         self.grad_fits: set[tuple[int, int, int]] = set()
         self.out_fits: set[tuple[int, int]] = set()
-        # the last call layout that took the fast path (Note: [Eager fast path])
-        self.layout: CallLayout | None = None
+        # the call layouts the fast path takes, most recent first, at most
+        # _MAX_LAYOUTS (Note: [Eager fast path])
+        self.layouts: list[CallLayout] = []
         # {output index: (mesh, local shape, local stride, global shape,
-        # global stride)} of its last from_local (see _global_info); the mesh
-        # is held weakly through its entry being replaced or the plan dropped
-        # with the LocalMap
+        # global stride)} of its last from_local on the full path (see
+        # _global_info); the mesh held weakly
         self.out_shapes: dict[int, tuple] = {}
 
     def spmd_plan(self, lm: LocalMap, mesh):
@@ -245,23 +245,28 @@ class CallLayout:
     argument passed through, ``tensor_only`` saying whether it must be a
     tensor (its in_placements entry is not None).  ``boundary`` is the call's
     :class:`localmap_fx.boundary.BoundaryPlan` (arguments only: outputs are
-    known after the body).
+    known after the body).  ``outs`` are the outputs' global shapes and
+    strides (as :attr:`EagerPlan.out_shapes`) seen with this layout.
     """
 
-    __slots__ = ("steps", "mesh", "cpu", "boundary")
+    __slots__ = ("steps", "mesh", "cpu", "boundary", "outs")
 
-    def __init__(self, steps: tuple, mesh: Any, boundary: BoundaryPlan) -> None:
+    def __init__(self, steps: tuple, mesh: Any, boundary: BoundaryPlan, outs: dict[int, tuple]) -> None:
         self.steps = steps
         self.mesh = _weakref(mesh)  # Note: [Caches keyed on a mesh]
         self.cpu = mesh.device_type == "cpu"
         self.boundary = boundary
+        # the outputs' global shapes and strides, as EagerPlan.out_shapes,
+        # for the calls of this layout
+        self.outs = outs
 
 
 MISS = object()
+_MAX_LAYOUTS = 8
 
 
 def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwargs: dict) -> Any:
-    """The call, if its arguments have ``lay``'s layout; else ``MISS`` (the body not run).
+    """The call, if its arguments have ``lay``'s layout; else ``MISS`` (nothing done).
 
     Per call only what the decisions depend on is compared: each argument's
     type, mesh (by identity), placements and tensor meta (global shape,
@@ -272,34 +277,37 @@ def call_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, args: tuple, kwarg
     steps = lay.steps
     if len(args) != len(steps):
         return MISS
-    grad_enabled = _is_grad_enabled()
-    flat_local = []
-    for a, (on, placements, meta, grad) in zip(args, steps):
+    for a, (on, placements, meta, _) in zip(args, steps):
         if on is None:
-            tensor_only = placements
             t = type(a)
             if isinstance(a, DTensor) or (t not in _LEAF_TYPES and not isinstance(a, _Tensor)):
                 return MISS  # a DTensor, or a container pytree would flatten
-            if tensor_only and not isinstance(a, _Tensor):
+            if placements and not isinstance(a, _Tensor):  # placements: tensor_only
                 return MISS  # raises on the full path
-            flat_local.append(a)
         elif type(a) is DTensor and not getattr(a, "_is_param", False):
             spec = a._spec
             if spec.mesh is not on() or spec.placements != placements or spec.tensor_meta != meta:
                 return MISS
-            local = _to_local_fn(a, grad) if grad_enabled else a._local_tensor
-            if type(local) is not _Tensor and isinstance(local, AsyncCollectiveTensor):
-                local = local.wait()
-            flat_local.append(local)
         else:
             return MISS
     mesh = lay.mesh()
     if mesh is None:
         return MISS
+    grad_enabled = _is_grad_enabled()
+    flat_local = []
+    for a, (on, _, _, grad) in zip(args, steps):
+        if on is None:
+            flat_local.append(a)
+            continue
+        local = _to_local_fn(a, grad) if grad_enabled else a._local_tensor
+        if type(local) is not _Tensor and isinstance(local, AsyncCollectiveTensor):
+            local = local.wait()
+        flat_local.append(local)
     out = _run_body(lm, plan, flat_local, tuple(flat_local), kwargs, mesh)
     dist = _wrap_fast(lm, plan, lay, out, mesh)
     if dist is MISS:
-        return wrap_outputs(lm, out, mesh)
+        dist = wrap_outputs(lm, out, mesh)
+        lay.outs.update(plan.out_shapes)
     return dist
 
 
@@ -309,7 +317,7 @@ def _wrap_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, out: Any, mesh: A
     t = type(out)
     if t is _Tensor:
         # one tensor output: the common case, without lists
-        info = plan.out_shapes.get(0)
+        info = lay.outs.get(0)
         if (
             info is None
             or len(plan.out_specs) != 1
@@ -323,7 +331,7 @@ def _wrap_fast(lm: LocalMap, plan: EagerPlan, lay: CallLayout, out: Any, mesh: A
         return _from_local_fn(out, mesh, plan.out_ready[0], False, info[3], info[4], grad)
     if t is not tuple or len(out) != len(plan.out_specs):
         return MISS
-    shapes = plan.out_shapes
+    shapes = lay.outs
     infos = []
     for idx, o in enumerate(out):
         info = shapes.get(idx)
@@ -479,7 +487,8 @@ def call_eager(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     out = _run_body(lm, plan, flat_local, local_args, kwargs, mesh)
     dist = wrap_outputs(lm, out, mesh, uneven_in)
     if reusable:
-        plan.layout = CallLayout(tuple(steps), mesh, BoundaryPlan(tuple(bounds)))
+        lay = CallLayout(tuple(steps), mesh, BoundaryPlan(tuple(bounds)), dict(plan.out_shapes))
+        plan.layouts = [lay, *plan.layouts[: _MAX_LAYOUTS - 1]]
     return dist
 
 

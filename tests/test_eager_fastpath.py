@@ -363,7 +363,7 @@ def test_layout_boundary_plan_text():
         device_mesh=mesh,
     )
     f(_dt(mesh, [Replicate()]), _dt(mesh, [Shard(1)], shape=(4, 8)))
-    assert f._eager_plan.layout.boundary.text() == "in[0] R grad P; in[1] S(1) grad S(1)"
+    assert [lay.boundary.text() for lay in f._eager_plan.layouts] == ["in[0] R grad P; in[1] S(1) grad S(1)"]
 
 
 def test_spmd_types_repeated_calls_match_torch():
@@ -389,3 +389,21 @@ def test_spmd_types_repeated_calls_match_torch():
         state["bad"] = bad
         got = {name: _outcome(f, x, w) for name, f in fns.items()}
         assert _same(got["ours"], got["torch"]), (bad, got)
+
+
+def test_layouts_taken_in_turn_are_all_kept():
+    """A function called with a few layouts in turn keeps each (up to 8, most
+    recent first), and every call still gives a fresh call's outcome."""
+    mesh = mesh_1d()
+
+    def make():
+        return our_local_map(lambda t: t * 2, out_placements=[Shard(0)], in_placements=([Shard(0)],))
+
+    f = make()
+    xs = [_dt(mesh, [Shard(0)], shape=(8 * (k + 1), 4)) for k in range(10)]
+    for x in (xs[0], xs[1], xs[0], xs[1]):
+        assert _same(_outcome(f, x), _outcome(make(), x))
+    assert [lay.steps[0][2].shape for lay in f._eager_plan.layouts] == [(16, 4), (8, 4)]
+    for x in xs:
+        f(x)
+    assert [lay.steps[0][2].shape[0] for lay in f._eager_plan.layouts] == [80, 72, 64, 56, 48, 40, 32, 24]
