@@ -41,7 +41,7 @@ Note: [Eager fast path]
     Parameter or not, mesh by identity, placements, tensor meta), reads grad
     mode, and calls the two autograd Functions; ``from_local`` is given the
     global shape and stride it would compute itself
-    (``compute_global_tensor_info``), kept per output and reused while the
+    (``compute_global_tensor_info``), kept per layout and output and reused while the
     local shape and stride are the same.  The body and the SPMD checks
     (``spmd_types=True``: ``assert_type`` on each input, the checker, the
     outputs' types) run on every call.  An argument that differs returns
