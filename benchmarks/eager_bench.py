@@ -11,6 +11,8 @@ Neither side runs a collective: to_local/from_local do not communicate here
 and the gradient placements already match.
 
 * P1 = ours ÷ torch, per round, for forward and for forward+backward.
+* P1_spmd_fwd = ours spmd_types=True ÷ torch spmd_types=True, forward, per
+  round (the whole call).
 * P2 = (ours spmd_types=True - ours) ÷ (torch spmd_types=True - torch),
   forward, per round.
 """
@@ -127,5 +129,6 @@ def eager_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
         "results_equal": same,
         "P1_fwd": pair(p1f, "ours", "torch"),
         "P1_fwd_bwd": pair(p1b, "ours", "torch"),
+        "P1_spmd_fwd": pair(p2, "ours_spmd", "torch_spmd"),
         "P2": extra(p2),
     }

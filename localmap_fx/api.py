@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import argtree, validate
 from ._pytree import flatten_args
-from .eager import EagerPlan, call_eager
+from .eager import MISS, EagerPlan, call_eager, call_fast
 from .region import spec_annotation
 
 __all__ = ["local_map", "LocalMap"]
@@ -155,6 +155,14 @@ class LocalMap:
             from .capture.call import call_captured
 
             return call_captured(self, args, kwargs)
+        plan = self._eager_plan
+        if plan is not None:
+            # a call layout seen before (Note: [Eager fast path]); containers
+            # and every other change fall through to the full path
+            for layout in plan.layouts:
+                out = call_fast(self, plan, layout, args, kwargs)
+                if out is not MISS:
+                    return out
         if self.param_names is not None or _maybe_nested(self.in_placements, args):
             return _call_nested_eager(self, args, kwargs)
         return call_eager(self, args, kwargs)

@@ -497,11 +497,11 @@ def check_outputs(descs: tuple, out_specs: tuple, mesh_ndim: int) -> bool:
     for idx, (out, spec) in enumerate(zip(outs, out_specs)):
         if out.kind == "tensor" and out.ndim is not None:
             later = (
-                (j, out_specs[j], o.ndim)
+                (j, out_specs[j])
                 for j, o in enumerate(outs)
                 if j > idx and o.kind == "tensor" and o.ndim is not None
             )
-            check_out_spec_fits(spec, idx, mesh_ndim, out.ndim, later)
+            check_out_spec_fits(spec, idx, mesh_ndim, later)
             check_from_local_spec(spec, idx, mesh_ndim, out.ndim)
         if out.kind == "dtensor":
             raise with_hint(AssertionError(
@@ -651,7 +651,7 @@ def check_grad_spec_fits(
 
 def _out_problem(mesh_ndim: int):
     def problem_of(entry: tuple) -> tuple[str, str] | None:
-        j, spec, _ = entry
+        j, spec = entry
         if spec is None:
             return (
                 f"out_placements[{j}] is None but output {j} of the body is a Tensor.",
@@ -671,18 +671,18 @@ def _out_problem(mesh_ndim: int):
     return problem_of
 
 
-def check_out_spec_fits(
-    spec: Any, idx: int, mesh_ndim: int, ndim: int, later: Iterable[tuple] = ()
-) -> None:
-    """out_placements[idx] must place a tensor output of ``ndim`` dims on the mesh.
+def check_out_spec_fits(spec: Any, idx: int, mesh_ndim: int, later: Iterable[tuple] = ()) -> None:
+    """out_placements[idx] must give a tensor output one placement per mesh
+    dimension (and not be None); Shard dims are checked by
+    :func:`check_from_local_spec`.
 
-    ``later``: ``(index, spec, ndim)`` of the later tensor outputs, read only
+    ``later``: ``(index, spec)`` of the later tensor outputs, read only
     when this one fails: the error lists every offender.
     """
     problem_of = _out_problem(mesh_ndim)
-    problem = problem_of((idx, spec, ndim))
+    problem = problem_of((idx, spec))
     if problem is not None:
-        found = _offenders(((idx, spec, ndim), problem), later, problem_of)
+        found = _offenders(((idx, spec), problem), later, problem_of)
         exc: BaseException = ValueError("\n".join(text for _, (text, _) in found))
         for hint in dict.fromkeys(hint for _, (_, hint) in found):
             exc = with_hint(exc, hint)

@@ -67,6 +67,7 @@ def test_quick_run_writes_table_json_and_png(tmp_path):
     assert {
         "P1_fwd",
         "P1_fwd_bwd",
+        "P1_spmd_fwd",
         "P2",
         "P3",
         "P4",

@@ -227,3 +227,183 @@ def test_spmd_types_fast_path_matches_torch():
             device_mesh=mesh_1d(),
             spmd_types=True,
         )
+
+
+# --- repeated calls: the per-layout fast path (Note: [Eager fast path]) -------
+
+
+def _sequence_outcomes(make, calls):
+    """Outcomes of ``calls`` (a list of argument tuples) on one local_map, warmed
+    by the calls before each, next to the outcome of a fresh local_map."""
+    warmed = make()
+    got = []
+    for args in calls:
+        got.append((_outcome(warmed, *args), _outcome(make(), *args)))
+    return got
+
+
+@pytest.mark.parametrize("impl", ["ours", "torch"])
+def test_repeated_calls_switching_layouts(impl):
+    """Every call after the first of a layout takes the fast path; each
+    switch (placements, shape, Parameter, plain tensor, no DTensor, a
+    container) falls back to the full path and gives a fresh call's outcome."""
+    mesh = mesh_1d()
+    lm = IMPLS[impl]
+
+    def make():
+        return lm(
+            lambda t, k: t * k,
+            out_placements=[Shard(0)],
+            in_placements=([Shard(0)], None),
+            device_mesh=mesh,
+        )
+
+    a = _dt(mesh, [Shard(0)])
+    b = _dt(mesh, [Shard(0)], shape=(16, 4))
+    uneven = _dt(mesh, [Shard(0)], shape=(7, 4))
+    r = _dt(mesh, [Replicate()])
+    p = torch.nn.Parameter(_dt(mesh, [Shard(0)]))
+    calls = [
+        (a, 2), (a, 3), (a * 1, 2),  # same layout: an intermediate DTensor too
+        (b, 2), (a, 2),  # another global shape, and back
+        (uneven, 2), (uneven, 2), (a, 2),  # uneven shards: the full path, every call
+        (r, 2), (a, 2),  # mismatched placements raise
+        (p, 2), (a, 2),  # a Parameter takes the public to_local
+        (torch.ones(2), 2),  # no DTensor: the body runs untouched
+        (a, [1, 2]),  # a container is flattened: the count check raises
+        (a, 2.5),
+    ]
+    for warmed, fresh in _sequence_outcomes(make, calls):
+        assert _same(warmed, fresh), (warmed, fresh)
+
+
+def test_repeated_calls_match_torch_across_grad_mode_and_outputs():
+    mesh = mesh_1d()
+    x = _dt(mesh, [Shard(0)])
+    state = {"n": 4}
+
+    def body(t):
+        # the output's shape and structure change between calls
+        if state["n"] == 0:
+            return t * 2, t + 1
+        return t[: state["n"]] * 2
+
+    fns = _both(body, out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    steps = [(4, True), (4, True), (3, True), (4, False), (4, True), (0, True), (4, True)]
+    for n, grad in steps:
+        state["n"] = n
+        with torch.set_grad_enabled(grad):
+            got = {name: _outcome(f, x) for name, f in fns.items()}
+        assert _same(got["ours"], got["torch"]), (n, grad, got)
+
+
+def test_repeated_calls_gradients_bitwise():
+    mesh = mesh_1d()
+    results = {}
+    for name, lm in IMPLS.items():
+        x = _dt(mesh, [Replicate()])
+        w = _dt(mesh, [Shard(1)], shape=(4, 8))
+        f = lm(
+            lambda a, b: torch.relu(a @ b),
+            out_placements=[Shard(1)],
+            in_placements=([Replicate()], [Shard(1)]),
+            in_grad_placements=([Partial()], [Shard(1)]),
+            device_mesh=mesh,
+        )
+        seen = []
+        for _ in range(3):
+            y = f(x, w)
+            y.sum().backward()
+            seen.append(
+                (
+                    type(y.grad_fn).__name__,
+                    [type(n[0]).__name__ for n in y.grad_fn.next_functions],
+                    tuple(x.grad.placements), x.grad.to_local().clone(),
+                    tuple(w.grad.placements), w.grad.to_local().clone(),
+                )
+            )
+            x.grad = w.grad = None
+        results[name] = seen
+    assert _same(results["ours"], results["torch"]), results
+
+
+def test_repeated_calls_another_mesh():
+    """device_mesh=None: the region's mesh is the argument's, per call."""
+    m1, m2 = mesh_1d(), mesh_2d()
+    fns = _both(lambda t: t + 1, out_placements=[Shard(0)], in_placements=([Shard(0)],))
+    a = _dt(m1, [Shard(0)])
+    for x in (a, a, _dt(m2, [Shard(0), Shard(1)]), a):
+        got = {name: _outcome(f, x) for name, f in fns.items()}
+        assert _same(got["ours"], got["torch"]), got
+
+
+def test_repeated_calls_wrong_mesh_still_raise():
+    """The mesh ruling holds on a warmed local_map (the layout keys on the mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    m1 = mesh_1d()
+    other = DeviceMesh("cpu", list(reversed(range(dist.get_world_size()))), mesh_dim_names=("tp",))
+    f = our_local_map(lambda t: t + 1, out_placements=[Shard(0)], in_placements=([Shard(0)],), device_mesh=m1)
+    a = _dt(m1, [Shard(0)])
+    f(a)
+    f(a)
+    with pytest.raises(ValueError, match="args leaf 0 is a DTensor on"):
+        f(_dt(other, [Shard(0)]))
+    f(a)
+
+
+def test_layout_boundary_plan_text():
+    mesh = mesh_1d()
+    f = our_local_map(
+        lambda a, b: torch.relu(a @ b),
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        in_grad_placements=([Partial()], [Shard(1)]),
+        device_mesh=mesh,
+    )
+    f(_dt(mesh, [Replicate()]), _dt(mesh, [Shard(1)], shape=(4, 8)))
+    assert [lay.boundary.text() for lay in f._eager_plan.layouts] == ["in[0] R grad P; in[1] S(1) grad S(1)"]
+
+
+def test_spmd_types_repeated_calls_match_torch():
+    pytest.importorskip("spmd_types")
+    mesh = mesh_1d()
+    x = _dt(mesh, [Replicate()])
+    w = _dt(mesh, [Shard(1)], shape=(4, 8))
+    state = {"bad": False}
+
+    def body(a, b):
+        y = torch.relu(a @ b)
+        return y.sum(1, keepdim=True) if state["bad"] else y  # V summed over its shards: rejected
+
+    fns = _both(
+        body,
+        out_placements=[Shard(1)],
+        in_placements=([Replicate()], [Shard(1)]),
+        in_grad_placements=([Partial()], [Shard(1)]),
+        device_mesh=mesh,
+        spmd_types=True,
+    )
+    for bad in (False, False, True, False):
+        state["bad"] = bad
+        got = {name: _outcome(f, x, w) for name, f in fns.items()}
+        assert _same(got["ours"], got["torch"]), (bad, got)
+
+
+def test_layouts_taken_in_turn_are_all_kept():
+    """A function called with a few layouts in turn keeps each (up to 8, most
+    recent first), and every call still gives a fresh call's outcome."""
+    mesh = mesh_1d()
+
+    def make():
+        return our_local_map(lambda t: t * 2, out_placements=[Shard(0)], in_placements=([Shard(0)],))
+
+    f = make()
+    xs = [_dt(mesh, [Shard(0)], shape=(8 * (k + 1), 4)) for k in range(10)]
+    for x in (xs[0], xs[1], xs[0], xs[1]):
+        assert _same(_outcome(f, x), _outcome(make(), x))
+    assert [lay.steps[0][2].shape for lay in f._eager_plan.layouts] == [(16, 4), (8, 4)]
+    for x in xs:
+        f(x)
+    assert [lay.steps[0][2].shape[0] for lay in f._eager_plan.layouts] == [80, 72, 64, 56, 48, 40, 32, 24]

@@ -56,6 +56,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("localmap_fx.spmd.global_check",),
     ("localmap_fx.spmd.types", "localmap_fx.capture.plan"),
+    ("localmap_fx.boundary",),
     (
         "localmap_fx.validate",
         "localmap_fx.region",

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import localmap_fx
-from localmap_fx.lowering import find_boundaries, lower
+from localmap_fx.lowering import boundary_plan, find_boundaries, lower
 from localmap_fx.passes import apply
 from localmap_fx.passes.fuse_boundaries import find_round_trips, fuse_boundaries
 from localmap_fx.passes.outline_regions import find_outline_matches, outline_regions
@@ -115,6 +115,15 @@ def test_lower_makes_grad_placements_explicit():
     from_locals = [n for n in gm.graph.nodes if n.target is DTensor.from_local]
     assert all(n.kwargs == {"run_check": False, "grad_placements": (S0,)} for n in from_locals)
     assert all(n.args[2] == (S0,) for n in from_locals)
+
+
+def test_boundary_plan_of_each_region():
+    boundaries = find_boundaries(_two_region_graph())
+    texts = [boundary_plan([b for b in boundaries if b.region == r]).text() for r in (0, 1)]
+    assert texts == [
+        "in[0] S(0) grad S(0); out[0] S(0) shape (8, 4) grad S(0)",
+        "in[0] S(0) grad S(0); out[0] S(0) shape (8, 4) grad S(0)",
+    ]
 
 
 def test_fuse_finds_and_removes_the_round_trip():

@@ -43,6 +43,7 @@ from torch.fx.traceback import annotate
 
 from .. import argtree, validate
 from .._pytree import flatten_args, pytree, unflatten_args
+from ..boundary import check_arg_meshes
 from ..errors import compile_time
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
@@ -88,10 +89,8 @@ def _check_meshes(lm: LocalMap, flat_args: list) -> None:
     ``device_mesh`` from) is checked by traced code.
     """
     comptime(check_meshes)  # reads the locals ``lm`` and ``flat_args``
-    if taken() == "traced" and lm.device_mesh is not None:
-        for idx, arg in enumerate(flat_args):
-            if isinstance(arg, DTensor) and arg.device_mesh is not lm.device_mesh:
-                _check_arg_mesh(arg.device_mesh, lm.device_mesh, idx)
+    if taken() == "traced":
+        check_arg_meshes(flat_args, lm.device_mesh, _check_arg_mesh)
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from .. import argtree, validate
+from ..boundary import check_arg_meshes
 from ..errors import compile_time
 from ..graph_utils import node_value
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT, definition_site
@@ -138,22 +139,20 @@ def check_meshes(ctx) -> None:
     the local ``flat_args`` is not on ``lm.device_mesh``; ``"traced"`` when
     ``lm`` was built in the traced code and traced code has to check."""
     from torch._dynamo.variables.tensor import TensorVariable
-    from torch.distributed.tensor import DTensor
 
     lm = _local_map(ctx)
     if lm is None:
         _put("traced")
         return
-    if lm.device_mesh is not None:
-        for idx, item in enumerate(getattr(local_vt(ctx, "flat_args"), "items", None) or ()):
-            item = realized(item)
-            v = node_value(item.as_proxy().node) if isinstance(item, TensorVariable) else None
-            if isinstance(v, DTensor) and v.device_mesh is not lm.device_mesh:
-                try:
-                    validate.check_arg_mesh(v.device_mesh, lm.device_mesh, idx)
-                except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
-                    _put(handoff.Raise(compile_time(e)))
-                    return
+    def value(item):
+        item = realized(item)
+        return node_value(item.as_proxy().node) if isinstance(item, TensorVariable) else None
+
+    try:
+        check_arg_meshes(getattr(local_vt(ctx, "flat_args"), "items", None) or (), lm.device_mesh, value=value)
+    except Exception as e:  # noqa: BLE001 - handed to the trace, raised there
+        _put(handoff.Raise(compile_time(e)))
+        return
     _put(None)
 
 
@@ -237,12 +236,7 @@ def call_plan(lm, values: list) -> tuple:
     (no region); ``mesh_from`` is the index of the argument whose mesh the
     region uses, or None for ``device_mesh``.
     """
-    if lm.device_mesh is not None:
-        from torch.distributed.tensor import DTensor
-
-        for idx, v in enumerate(values):
-            if isinstance(v, DTensor) and v.device_mesh is not lm.device_mesh:
-                validate.check_arg_mesh(v.device_mesh, lm.device_mesh, idx)
+    check_arg_meshes(values, lm.device_mesh)
     plan = compile_time_plan(lm, values)
     notes = annotations_of(lm)
     enters = tuple(None if step is None else (*step, notes.enter(idx)) for idx, step in enumerate(plan))

@@ -26,18 +26,19 @@ and :func:`lower` (public) applies it and returns the recompiled module.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch.fx as fx
-from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Placement
 
+from ..boundary import ArgBoundary, BoundaryPlan, OutBoundary, explicit_grad, input_grad
 from ..graph_utils import is_from_local, is_redistribute, is_to_local, node_value
 from ..passes import PassResult, apply
 from ..region import META_LOWERED, META_PLAN, Region, find_regions, index_of
-from ..spmd.check import out_grad_placements_for, typed_in_grad_placements
+from ..spmd.check import out_grad_placements_for
 from .plan import RedistributePlan, plan_redistribute
 
-__all__ = ["Boundary", "find_boundaries", "rewrite_boundary", "lower_boundaries", "lower"]
+__all__ = ["Boundary", "find_boundaries", "boundary_plan", "rewrite_boundary", "lower_boundaries", "lower"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +77,9 @@ def _enter_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Bounda
             src = node_value(node.args[0])
             placements = tuple(src.placements)
             given = spec.in_grad_placements[idx] if spec.in_grad_placements is not None else None
-            if given is not None:
-                grad = tuple(given)
-            else:
-                grad = _normalize_placements_for_grad(placements)
-                if spec.spmd_types and typecheck != "off":  # the SPMD type's (R -> Partial)
-                    grad = typed_in_grad_placements(placements) or grad
-            out.append(Boundary("to_local", node, r_idx, idx, placements, tuple(grad)))
+            # typed: the SPMD type's gradient (R -> Partial) unless given
+            grad = input_grad(placements, given, bool(spec.spmd_types) and typecheck != "off")
+            out.append(Boundary("to_local", node, r_idx, idx, placements, explicit_grad(placements, grad)))
     return out
 
 
@@ -101,11 +98,8 @@ def _exit_boundaries(r_idx: int, region: Region, typecheck: str) -> list[Boundar
             continue
         j = index_of(node)
         placements = tuple(node_value(node).placements)
-        if derived is not None:
-            grad = derived[j]
-        else:
-            grad = _normalize_placements_for_grad(placements)
-        out.append(Boundary("from_local", node, r_idx, j, placements, tuple(grad)))
+        grad = derived[j] if derived is not None else None
+        out.append(Boundary("from_local", node, r_idx, j, placements, explicit_grad(placements, grad)))
     return out
 
 
@@ -124,6 +118,26 @@ def find_boundaries(
         out.extend(_enter_boundaries(r_idx, region, typecheck))
         out.extend(_exit_boundaries(r_idx, region, typecheck))
     return out
+
+
+def boundary_plan(boundaries: Sequence[Boundary]) -> BoundaryPlan:
+    """The :class:`localmap_fx.boundary.BoundaryPlan` one region's boundaries
+    (as :func:`find_boundaries` gives them) render: per DTensor argument its
+    placements, redistribute target and gradient placements, per output its
+    placements, global shape and gradient placements."""
+    targets = {b.index: b.placements for b in boundaries if b.kind == "redistribute"}
+    args, outs = [], []
+    for b in boundaries:
+        if b.kind == "to_local":
+            target = targets.get(b.index)
+            source = b.placements
+            if target is not None:
+                source = tuple(node_value(b.node.args[0].args[0]).placements)  # type: ignore[union-attr]  # the redistribute's input
+            args.append(ArgBoundary(b.index, source, target, b.grad_placements))
+        elif b.kind == "from_local":
+            shape = tuple(int(s) for s in node_value(b.node).shape)
+            outs.append(OutBoundary(b.index, b.placements, shape, b.grad_placements))
+    return BoundaryPlan(tuple(sorted(args, key=lambda a: a.index)), tuple(sorted(outs, key=lambda o: o.index)))
 
 
 def rewrite_boundary(b: Boundary) -> None:

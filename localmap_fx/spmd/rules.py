@@ -561,11 +561,29 @@ def _next_mode(func, args: tuple, kwargs: dict):
         as torch would have dispatched it had this mode not been there.
     """
     if torch.overrides._is_torch_function_mode_enabled():
-        relevant = tuple(
-            a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
-        )
-        return torch.overrides.handle_torch_function(func, relevant, *args, **kwargs)
+        return torch.overrides.handle_torch_function(func, _tensor_leaves(args, kwargs), *args, **kwargs)
     return func(*args, **kwargs)
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
+
+
+def _tensor_leaves(args: tuple, kwargs: dict) -> tuple:
+    """The tensors among the pytree leaves of ``(args, kwargs)``, in leaf order.
+
+    Most ops are called with tensors and scalars only: those are read
+    directly; anything else (a list of sizes, a dict) goes through pytree.
+    """
+    if not kwargs:
+        found = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif type(a) not in _SCALARS:
+                break
+        else:
+            return tuple(found)
+    return tuple(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
 
 
 def rules() -> torch.overrides.TorchFunctionMode:

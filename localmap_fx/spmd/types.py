@@ -33,6 +33,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ..boundary import typed_in_grad_placements  # Note: [Input gradients follow the SPMD type]
+
 try:
     import spmd_types as spmd
 except ImportError:  # pragma: no cover - reported by validate.check_spmd_types_available()
@@ -119,31 +121,6 @@ def placements_to_spmd_type(
                 )
         result[axis] = fwd_type
     return result
-
-
-@functools.lru_cache(maxsize=256)
-def typed_in_grad_placements(placements: tuple[Placement, ...]) -> tuple | None:
-    """Grad placements of a ``spmd_types=True`` input whose in_grad_placements are not given.
-
-    Note: [Input gradients follow the SPMD type]
-        Without in_grad_placements, an input is typed from its placements
-        alone: ``Replicate()`` becomes ``R``, whose gradient is ``P``
-        (Partial).  DTensor's default grad placement for ``to_local()`` is
-        the forward one, ``Replicate()``, i.e. the gradient of an ``I``.
-        torch 2.14.1's local_map(spmd_types=True) uses that default, so the
-        per-rank partial gradients the checked body produces for an ``R``
-        input are read as replicated ones: wrong by a sum over the axis
-        (even for ``x * 2``).  We give such inputs the gradient their type
-        says: ``Partial()`` on every Replicate dimension (Shard stays Shard,
-        Partial -> Replicate as DTensor already does).  None when nothing
-        differs from DTensor's default.
-    """
-    if not any(type(p) is Replicate for p in placements):
-        return None
-    return tuple(
-        Partial() if type(p) is Replicate else (Replicate() if p.is_partial() else p)
-        for p in placements
-    )
 
 
 def annotate_inputs(
