@@ -113,6 +113,12 @@ def inner_compiler(opts: BackendOptions, on_output: OnOutput = None) -> CompileO
     compile_fn = INNER[opts.inner]
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], keep: Kept = None):
+        if keep is None and opts.lean_border and opts.inner != "eager":
+            from .dtensor_border import DTensorBorder, dtensor_border
+
+            border = dtensor_border(gm, example_inputs, compile_one)
+            if isinstance(border, DTensorBorder):
+                return border
         return compile_fn(gm, example_inputs, opts, on_output, keep)
 
     return compile_one

@@ -44,6 +44,11 @@ class BackendOptions:
             (``True``); keep the whole frame one graph (``False``); or decide
             from the number of repeats (``"auto"``, default; see
             :func:`layer_sharing_decision` and ``docs/design.md``).
+        lean_border: a graph compiled whole whose inputs or outputs are
+            DTensors (a block under regional compilation) runs behind one
+            lean border instead of AOTAutograd's subclass runtime, with a
+            backward compiled for the placements its gradients really have
+            (default True; see :mod:`localmap_fx.compiler.dtensor_border`).
     """
 
     inner: str = "inductor"
@@ -54,6 +59,7 @@ class BackendOptions:
     on_aot_graph: Callable[[str, fx.GraphModule], None] | None = None
     dump_dir: str | None = None
     share_layers: bool | str = "auto"
+    lean_border: bool = True
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
