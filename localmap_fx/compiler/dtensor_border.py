@@ -50,8 +50,11 @@ Note: [The border's wrapper graph]
     DTensor with the traced spec; backward returns the gradient's local
     tensor *as it is* and records its placements while AOTAutograd traces
     the joint graph, so an input's gradient keeps the placements eager gives
-    it, Partial included); each DTensor output gets ``to_local`` with the
-    tangent placements of the variant::
+    it, Partial included, when its local tensor has the input's shape; one
+    that does not, such as a Partial gradient of a Shard input, is
+    redistributed to the input's placements as ``DTensor.from_local``'s
+    backward does); each DTensor output gets ``to_local`` with the tangent
+    placements of the variant::
 
         before:  def forward(x: DTensor, mesh, w: DTensor): ... return (y,)   # y DTensor
         after:   def forward(x_local, mesh, w_local):
@@ -122,6 +125,8 @@ class _Enter(torch.autograd.Function):
         from torch.distributed.tensor import DTensor
 
         ctx.record = record
+        ctx.spec = spec
+        ctx.local_shape = tuple(local.shape)
         ctx.set_materialize_grads(False)
         # a fresh tensor object sharing memory, as DTensor.from_local makes
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
@@ -134,6 +139,12 @@ class _Enter(torch.autograd.Function):
             return None, None, None
         if not isinstance(grad, DTensor):
             raise AssertionError(f"the gradient of a DTensor input is a {type(grad).__name__}")
+        spec = ctx.spec
+        if tuple(grad.to_local().shape) != ctx.local_shape:
+            # Note: [The border's wrapper graph]: a gradient whose local tensor
+            # has another shape than the input's (a Partial gradient of a Shard
+            # input) is redistributed as DTensor.from_local's backward does
+            grad = grad.redistribute(spec.mesh, _default_tangent(spec.placements))
         # read while AOTAutograd traces the joint graph (sizes are static)
         ctx.record[:] = [_spec(grad.device_mesh, grad.placements, grad.shape, grad.stride(), grad.dtype)]
         return grad.to_local(), None, None
