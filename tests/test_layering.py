@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.compiler",),
     ("localmap_fx.compiler.pipeline",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.compiler.pieces", "localmap_fx.compiler.inner"),
+    ("localmap_fx.compiler.dtensor_border",),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",

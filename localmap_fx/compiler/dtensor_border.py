@@ -84,7 +84,9 @@ __all__ = ["Refusal", "DTensorBorder", "dtensor_border"]
 class Refusal:
     """Why a graph keeps AOTAutograd's DTensor runtime (``code`` to branch on, ``text`` to show)."""
 
-    code: str  # "no_dtensor", "subclass", "symbolic", "no_grad", "attributes", "output", "runtime"
+    # "no_dtensor", "subclass", "symbolic", "mesh", "no_grad", "no_fake_mode", "attributes", "output",
+    # "runtime" (compiled_layer's reason: a written input, an aliased output, ...)
+    code: str
     text: str
 
 
@@ -146,7 +148,8 @@ class _Enter(torch.autograd.Function):
             # input) is redistributed as DTensor.from_local's backward does
             grad = grad.redistribute(spec.mesh, _default_tangent(spec.placements))
         # read while AOTAutograd traces the joint graph (sizes are static)
-        ctx.record[:] = [_spec(grad.device_mesh, grad.placements, grad.shape, grad.stride(), grad.dtype)]
+        # (the mesh is the input's: inside the trace it may be a fake object)
+        ctx.record[:] = [_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype)]
         return grad.to_local(), None, None
 
 
@@ -204,8 +207,15 @@ def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slo
 
 
 def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list[_Slot], list[_Slot]] | Refusal:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    # The specs built here are given to every DTensor the border makes, so
+    # their mesh must be the user's object: a traced value's mesh can be a
+    # fake stand-in (FakeScriptObject), equal to it but not it.
+    real = [m for v in example_inputs for m in (v.device_mesh if isinstance(v, DTensor) else v,)
+            if isinstance(m, DeviceMesh)]
 
     def slot(v: Any, where: str) -> _Slot | Refusal:
         if isinstance(v, DTensor):
@@ -214,7 +224,11 @@ def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list
                 return Refusal("subclass", f"{where}: a DTensor over a {type(local).__name__}")
             if not (_static(v) and _static(local)):
                 return Refusal("symbolic", f"{where}: a DTensor with symbolic sizes")
-            return _Slot(_spec(v.device_mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
+            mesh = next((m for m in real if m is v.device_mesh), None) or next(
+                (m for m in real if m == v.device_mesh), None)
+            if mesh is None:
+                return Refusal("mesh", f"{where}: its mesh is no mesh among the inputs")
+            return _Slot(_spec(mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
         if is_traceable_wrapper_subclass(v):
             return Refusal("subclass", f"{where}: a {type(v).__name__}")
         if isinstance(v, torch.Tensor) and not _static(v):
@@ -387,7 +401,11 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     inputs, outputs = slots
     if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
         return Refusal("no_grad", "no input requires grad")
-    fake_mode = detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
+    # the examples' own mode first: a piece's examples are fakes of a mode
+    # other than the tracing context's
+    fake_mode = next((t.fake_mode for v, s in zip(example_inputs, inputs)
+                      for t in (v._local_tensor if s.spec is not None else v,) if isinstance(t, FakeTensor)),
+                     None) or detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         return Refusal("no_fake_mode", "compiled outside Dynamo (no fake mode)")
     local_inputs = _local_examples(example_inputs, inputs, fake_mode)
