@@ -125,7 +125,7 @@ def test_partial_gradient_gets_a_backward_of_its_own():
 
     backend, seen = _recording("aot_eager")
     f = torch.compile(_col_row, backend=backend)
-    for step in range(2):
+    for _ in range(2):
         downstream(f(x, w1, w2)).backward()
         got = _grads(x, w1, w2)
         _same(eager, got)

@@ -31,8 +31,7 @@ Note: [A backward per tangent placement]
     the backward runs (in a regional TP stack: ``Partial`` from the next
     block's region, ``Replicate`` for the last block, whose gradient comes
     from the loss).  The border traces its first variant with the
-    placements AOTAutograd would assume (the output's, ``Partial`` as
-    ``Replicate``).  A gradient in other placements gets a backward of its
+    placements AOTAutograd assumes (:func:`_default_tangent`).  A gradient in other placements gets a backward of its
     own, compiled once, at the first backward that sees them: the same
     wrapper graph, with ``to_local(grad_placements=<seen>)`` on that output,
     so the reduction (if any) happens in compiled code, in the order eager
@@ -84,7 +83,8 @@ __all__ = ["Refusal", "DTensorBorder", "dtensor_border"]
 class Refusal:
     """Why a graph keeps AOTAutograd's DTensor runtime (``code`` to branch on, ``text`` to show)."""
 
-    # "no_dtensor", "subclass", "symbolic", "mesh", "no_grad", "no_fake_mode", "attributes", "output",
+    # "no_dtensor", "no_dtensor_out", "subclass", "symbolic", "mesh", "no_grad", "no_fake_mode",
+    # "attributes", "output",
     # "runtime" (compiled_layer's reason: a written input, an aliased output, ...)
     code: str
     text: str
@@ -193,7 +193,7 @@ def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slo
     new_outs, _ = copied
     results = []
     for a, slot, t in zip(new_outs, outputs, tangents):
-        if slot.spec is None:
+        if slot.spec is None or t is None:
             results.append(a)
             continue
         leave = g.call_function(_leave_fn(t), (a,))
@@ -252,11 +252,21 @@ def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list
         outs.append(s)
     if all(s.spec is None for s in (*ins, *outs)):
         return Refusal("no_dtensor", "no DTensor crosses the border")
+    if all(s.spec is None for s in outs):
+        # DTensors in, local tensors out: typically to_local views of the
+        # inputs (a split frame's first piece), which AOTAutograd's metadata
+        # would show as aliased outputs only after a wasted compile
+        return Refusal("no_dtensor_out", "no output is a DTensor")
     return ins, outs
 
 
 def _default_tangent(placements: Placements) -> Placements:
-    # what AOTAutograd assumes (and to_local's default): a Partial output's gradient is Replicate
+    """What the first variant assumes an output's gradient is in.
+
+    AOTAutograd's and ``to_local``'s default: the output's placements with
+    Partial as Replicate (``loss.backward()`` on a Partial loss sends a
+    Replicate gradient).
+    """
     from torch.distributed.tensor import Replicate
 
     return tuple(Replicate() if p.is_partial() else p for p in placements)
@@ -475,7 +485,7 @@ class _BorderFunction(torch.autograd.Function):
                           else g.redistribute(g.device_mesh, first.tangents[i])
                           for i, g in enumerate(grads))
         layer = variant.layer
-        if torch._C._autograd._get_current_graph_task_keep_graph() and layer.donates_buffers:
+        if layer.donates_buffers and torch._C._autograd._get_current_graph_task_keep_graph():
             raise RuntimeError(_DONATED)
         tensors = iter(ctx.saved_tensors)
         saved = [next(tensors) if v is _TENSOR else v for v in ctx.others]
