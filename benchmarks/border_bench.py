@@ -2,6 +2,7 @@
 
     python -m benchmarks.border_bench                    # 2 gloo ranks, 16 layers
     python -m benchmarks.border_bench --fake 16          # one process, fake process group
+    python -m benchmarks.border_bench --per-call         # one block's callable, no Dynamo frame
     python -m benchmarks.border_bench --quick            # every code path once; numbers mean nothing
 
 The ``nn.Module`` TP stack of :mod:`benchmarks.depth_bench` (B 32, D 128,
@@ -93,6 +94,66 @@ def measure(mesh, n: int, rounds: int, calls: int, shape: dict, sync=None) -> di
     return out
 
 
+def per_call(mesh, rounds: int, calls: int, shape: dict) -> dict:
+    """One block's compiled callable called directly (no Dynamo frame), forward +
+    backward with a Partial gradient, as in a regional stack: behind the lean
+    border, behind AOTAutograd's runtime, and the compiled forward and backward
+    alone (the floor).  Returns µs per call and the border's cost over the floor."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from localmap_fx.compiler.options import BackendOptions
+    from localmap_fx.compiler.pipeline import compile_graph
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    from .timing import time_paired
+
+    model = TPStack(mesh, 1, d=shape["d"], hidden=shape["hidden"])
+    block = model.blocks[0]
+    x = tp_stack_input(mesh, shape["batch"], shape["d"])
+    fns = {}
+    for name, lean in (("lean", True), ("aot", False)):
+        torch._dynamo.reset()
+        got: dict = {}
+
+        def backend(gm, example_inputs, lean=lean, got=got):
+            got["fn"] = compile_graph(gm, example_inputs, BackendOptions(lean_border=lean))
+            got["n"] = len(example_inputs)
+            return got["fn"]
+
+        torch.compile(block, backend=backend)(x)
+        fns[name] = got["fn"]
+    # Dynamo's argument order for this block: (w1, mesh, x, w2)
+    args = (block.w1, mesh, x, block.w2)
+    out = fns["lean"](*args)[0]
+    grad = DTensor.from_local(torch.ones_like(out.to_local()), mesh, [Partial()], run_check=False)
+    border = fns["lean"]
+    layer = border.first.layer
+    local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+
+    def side(fn):
+        def run():
+            (y,) = fn(*args)
+            y.backward(grad)
+            for t in (x, block.w1, block.w2):
+                t.grad = None
+        return run
+
+    def floor():
+        # as inside the border's autograd.Function: no grad mode
+        with torch.no_grad():
+            outs, saved = layer.split(layer.forward(list(local)))
+            layer.backward(saved + [grad.to_local()])
+
+    for _ in range(3):
+        side(fns["lean"])()
+        side(fns["aot"])()
+    paired = time_paired({"lean": side(fns["lean"]), "aot": side(fns["aot"]), "floor": floor}, rounds, calls,
+                         cpu_clock="process_cpu")
+    us = {k: statistics.median(paired.per_call(k, "cpu")) * 1e6 for k in ("lean", "aot", "floor")}
+    return {"cpu_us_per_call": us,
+            "border_us": {k: statistics.median(paired.extras(k, "floor", "cpu")) * 1e6 for k in ("lean", "aot")}}
+
+
 def _gloo_rank(rank: int, world_size: int, device: str, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,13 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fake", action="store_true", help="one process, fake process group (no collectives)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--per-call", action="store_true",
+                   help="one block's compiled callable, called directly (fake process group)")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     shape = {"batch": 32, "d": 128, "hidden": 256}
     cfg = {"layers": a.layers, "rounds": a.rounds, "calls": a.calls, "shape": shape}
     if a.quick:
         cfg.update(layers=2, rounds=1, calls=1, shape={"batch": 8, "d": 16, "hidden": 32})
-    if a.fake:
+    if a.per_call:
+        from .compile_time import _init_fake_pg
+
+        torch.set_num_threads(1)
+        res = per_call(_init_fake_pg(), cfg["rounds"] * 4, cfg["calls"] * 10, cfg["shape"])
+    elif a.fake:
         from .compile_time import _init_fake_pg
 
         torch.set_num_threads(1)
