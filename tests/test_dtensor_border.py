@@ -228,6 +228,19 @@ def _frame_args(border, x, w1, w2):
     return out
 
 
+def test_double_backward_through_the_border_is_an_error():
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    backend, seen = _recording("aot_eager")
+    # (with donated buffers, create_graph=True is refused already, with AOTAutograd's message)
+    with torch._functorch.config.patch(donated_buffer=False):
+        out = torch.compile(_col_row, backend=backend)(x, w1, w2)
+    assert isinstance(seen[0], DTensorBorder)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        torch.autograd.grad((out ** 2).sum(), [x], create_graph=True)
+
+
 def test_refusals():
     x = _dt((8, 16), [Replicate()], 0)
 

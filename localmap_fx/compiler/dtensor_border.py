@@ -462,6 +462,12 @@ class _BorderFunction(torch.autograd.Function):
 
         from .layer_runtime import _as_traced
 
+        if torch.is_grad_enabled():
+            # create_graph=True: the compiled backward has no backward of its
+            # own, and gradients that silently stop here would be misread
+            # (AOTAutograd raises the same when the double backward runs)
+            raise RuntimeError("torch.compile with aot_autograd does not currently support double backward")
+
         border: DTensorBorder = ctx.border
         first = border.first
         differentiable = first.layer.differentiable
