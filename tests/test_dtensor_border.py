@@ -255,7 +255,14 @@ def test_refusals():
         return x.t(), x * 2
 
     r = _refusal_of(aliases, (x,))
-    assert isinstance(r, Refusal) and r.code == "runtime" and "aliases" in r.text
+    assert r == Refusal("alias", "output 0 shares storage with input 0")
+
+    def region_result(x):
+        # from_local of a result: a view of an intermediate (a frame cut by a graph break)
+        return DTensor.from_local(x.to_local() * 2, x.device_mesh, [Replicate()])
+
+    r = _refusal_of(region_result, (x,))
+    assert r == Refusal("alias", "output 0 is a view")
 
     def plain(a):
         return a * 2

@@ -83,7 +83,7 @@ __all__ = ["Refusal", "DTensorBorder", "dtensor_border"]
 class Refusal:
     """Why a graph keeps AOTAutograd's DTensor runtime (``code`` to branch on, ``text`` to show)."""
 
-    # "no_dtensor", "no_dtensor_out", "subclass", "symbolic", "mesh", "no_grad", "no_fake_mode",
+    # "no_dtensor", "no_dtensor_out", "alias", "subclass", "symbolic", "mesh", "no_grad", "no_fake_mode",
     # "attributes", "output",
     # "runtime" (compiled_layer's reason: a written input, an aliased output, ...)
     code: str
@@ -260,6 +260,31 @@ def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list
     return ins, outs
 
 
+def _shared_storage(in_vals: Sequence[Any], out_vals: Sequence[Any]) -> str | None:
+    """Which output is a view or shares storage with an input or an earlier output (traced values).
+
+    AOTAutograd's metadata says so too, but only after a compile that the
+    border would then throw away (a frame cut by a graph break returns a
+    DTensor and its local tensor).
+    """
+    from ..analysis import storage_key
+
+    seen = {k: f"input {i}" for i, k in enumerate(storage_key(v) for v in in_vals) if k is not None}
+    for i, v in enumerate(out_vals):
+        local = getattr(v, "_local_tensor", v)
+        if isinstance(local, torch.Tensor) and local._is_view():
+            # a view of an intermediate (from_local of a region's result):
+            # AOTAutograd's runtime regenerates it, a CompiledLayer refuses it
+            return f"output {i} is a view"
+        k = storage_key(v)
+        if k is None:
+            continue
+        if k in seen:
+            return f"output {i} shares storage with {seen[k]}"
+        seen[k] = f"output {i}"
+    return None
+
+
 def _default_tangent(placements: Placements) -> Placements:
     """What the first variant assumes an output's gradient is in.
 
@@ -405,9 +430,13 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     outs = out_node.args[0]
     if not isinstance(outs, (tuple, list)) or not all(isinstance(o, fx.Node) for o in outs):
         return Refusal("output", "the graph's outputs are not a flat tuple of values")
-    slots = _slots(example_inputs, [node_value(o) for o in outs])
+    out_vals = [node_value(o) for o in outs]
+    slots = _slots(example_inputs, out_vals)
     if isinstance(slots, Refusal):
         return slots
+    shared = _shared_storage([node_value(p) for p in gm.graph.find_nodes(op="placeholder")], out_vals)
+    if shared is not None:
+        return Refusal("alias", shared)
     inputs, outputs = slots
     if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
         return Refusal("no_grad", "no input requires grad")
