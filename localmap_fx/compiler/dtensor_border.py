@@ -31,21 +31,22 @@ Note: [A backward per tangent placement]
     the backward runs (in a regional TP stack: ``Partial`` from the next
     block's region, ``Replicate`` for the last block, whose gradient comes
     from the loss).  The border traces its first variant with the
-    placements AOTAutograd assumes (:func:`_default_tangent`).  A gradient in other placements gets a backward of its
-    own, compiled once, at the first backward that sees them: the same
-    wrapper graph, with ``to_local(grad_placements=<seen>)`` on that output,
-    so the reduction (if any) happens in compiled code, in the order eager
-    DTensor does it.  Its forward must save what the first variant's does (the
-    values saved, by name and layout: :func:`_saved_signature`); then its
-    backward reads what the first variant's forward saved, whatever block
-    called it.  When it is not, the
-    gradient is redistributed to the traced placements, as AOTAutograd does.
+    placements AOTAutograd assumes (:func:`_default_tangent`).  A gradient
+    in other placements gets a backward of its own, compiled once, at the
+    first backward that sees them: the same wrapper graph, with
+    ``to_local(grad_placements=<seen>)`` on that output, so the reduction
+    (if any) happens in compiled code, in the order eager DTensor does it.
+    Its forward must save what the first variant's does (the values saved,
+    by name and layout: :func:`_saved_signature`); then its backward reads
+    what the first variant's forward saved, whatever block called it.  When
+    it does not, the gradient is redistributed to the traced placements, as
+    AOTAutograd does.
     A gradient is never read as a local tensor in placements it does not
     have.
 
 Note: [The border's wrapper graph]
     Each DTensor placeholder of the Dynamo graph becomes a local placeholder
-    and a call of :func:`_enter` (an autograd.Function: forward builds the
+    and a call of ``_Enter`` (an autograd.Function: forward builds the
     DTensor with the traced spec; backward returns the gradient's local
     tensor *as it is* and records its placements while AOTAutograd traces
     the joint graph, so an input's gradient keeps the placements eager gives
