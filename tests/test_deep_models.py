@@ -129,7 +129,6 @@ def _gloo_deep_vs_eager(rank, world_size, device):
         ("regional", "inductor", {}),
         ("upstream_regional", "aot_eager", {}),
     ]
-    runs = {}
     for how, inner, opts in cases:
         torch._dynamo.reset()
         model, x = _stack(mesh, 9, impl="torch" if how.startswith("upstream") else "ours")
@@ -140,21 +139,19 @@ def _gloo_deep_vs_eager(rank, world_size, device):
             fn = model
         else:
             fn = torch.compile(model, backend=be, fullgraph=True)
-        got = runs[(how, inner)] = run(fn, model, x)
+        got = run(fn, model, x)
         for k, (a, b) in enumerate(zip(eager, got)):
-            # Each compiled block is a frame of its own, so AOTAutograd turns the
-            # Partial gradient reaching a block's Replicate output into the
-            # Replicate tangent it traced (an all_reduce) and the block turns it
-            # back: sums happen in another order than in eager, for torch's
-            # local_map as for ours; so regional is compared with eager within
-            # 1e-5, and with upstream regional bitwise (below).
-            if inner == "aot_eager" and not how.endswith("regional"):
+            # Each compiled block is a frame of its own.  AOTAutograd's runtime
+            # (upstream regional) turns the Partial gradient reaching a block's
+            # Replicate output into the Replicate tangent it traced (an
+            # all_reduce), so sums happen in another order than in eager: within
+            # 1e-5.  Ours runs the block behind the lean DTensor border, with a
+            # backward compiled for the Partial gradient: bitwise under aot_eager.
+            if inner == "aot_eager" and how != "upstream_regional":
                 ok = torch.equal(a, b)
             else:
                 ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5 * (1 + a.abs().max().item()))
             report[(how, inner, k)] = (bool(ok), (a - b).abs().max().item())
-    for k, (a, b) in enumerate(zip(runs[("regional", "aot_eager")], runs[("upstream_regional", "aot_eager")])):
-        report[("regional_vs_upstream", k)] = (bool(torch.equal(a, b)), (a - b).abs().max().item())
     return report
 
 
@@ -164,7 +161,7 @@ def test_deep_stack_on_gloo_equals_eager():
     results = run_ranks(_gloo_deep_vs_eager, world_size=2, timeout=900)
     bad = {(r, k): v for r, rep in enumerate(results) for k, v in rep.items() if not v[0]}
     assert not bad, bad
-    assert len(results[0]) == 7 * (1 + 1 + 2 * 9)
+    assert len(results[0]) == 6 * (1 + 1 + 2 * 9)
 
 
 def _graphs_of_regional(impl: str, backend) -> int:

@@ -134,6 +134,13 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     watch = observer if observer is not None else Observer()
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
+        if not aot_graphs and opts.lean_border and opts.inner != "eager":
+            # a DTensor graph compiled whole: see compiler/dtensor_border.py
+            from .dtensor_border import DTensorBorder, dtensor_border
+
+            border = dtensor_border(gm, example_inputs, compile_one)
+            if isinstance(border, DTensorBorder):
+                return Compiled(border, ())
         keep: Kept = [] if aot_graphs else None
         fn = compile_fn(gm, example_inputs, opts, watch, keep)
         return Compiled(fn, tuple(keep) if keep is not None else ())

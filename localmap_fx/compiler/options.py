@@ -50,6 +50,11 @@ class BackendOptions:
             default): at least 8 repeats, no DTensor left crossing a layer
             border, and under inductor a layer big enough that the per-layer
             call price is lost in its compute (see ``docs/design.md``).
+        lean_border: a graph compiled whole whose inputs or outputs are
+            DTensors (a block under regional compilation) runs behind one
+            lean border instead of AOTAutograd's subclass runtime, with a
+            backward compiled for the placements its gradients really have
+            (default True; see :mod:`localmap_fx.compiler.dtensor_border`).
     """
 
     inner: str = "inductor"
@@ -60,6 +65,7 @@ class BackendOptions:
     on_aot_graph: Callable[[str, fx.GraphModule], None] | None = None
     dump_dir: str | None = None
     share_layers: bool | str = "auto"
+    lean_border: bool = True
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:

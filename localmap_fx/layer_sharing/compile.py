@@ -18,7 +18,7 @@ Note: [One TracingContext per piece]
     its own (sharing Dynamo's fake mode and shape environment).  That
     context is also the only place AOTAutograd leaves a piece's metadata
     (``fw_metadata``), which :func:`compiled_layer` needs: it is read back
-    in one place, :func:`_compile_in_own_context`.
+    in one place, :func:`.runtime.compile_with_metadata`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from ..graph_utils import node_value
 from ..passes import PassResult
 from .plan import digest
 from .runs import chain_layer_runs, find_layer_runs, runs_of
-from .runtime import CompiledLayer, Refusal, compiled_layer
+from .runtime import CompiledLayer, Refusal, compile_with_metadata, compiled_layer
 from .split import META_PIECE, PieceMeta, pieces_of
 
 if TYPE_CHECKING:
-    from ..compiler.inner import AotGraph, Compiled, CompileOne
+    from ..compiler.inner import AotGraph, CompileOne
 
 __all__ = ["CompiledPiece", "PieceReport", "compile_piece", "compile_pieces", "layer_runs"]
 
@@ -93,25 +93,10 @@ class _PieceModule(torch.nn.Module):
         return self.piece.fn(*args)
 
 
-def _compile_in_own_context(compile_one: CompileOne, sub: fx.GraphModule, example: list[Any],
-                            aot_graphs: bool) -> tuple[Compiled, Any]:
-    """``compile_one`` under a TracingContext of its own; also returns the
-    forward metadata AOTAutograd left there (Note: [One TracingContext per piece])."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-
-    fake_mode = detect_fake_mode(example)
-    if fake_mode is None:
-        return compile_one(sub, example, aot_graphs), None
-    context = TracingContext(fake_mode)
-    with tracing(context):
-        compiled = compile_one(sub, example, aot_graphs)
-    return compiled, context.fw_metadata
-
-
 def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileOne, name: str,
                   as_layer: bool) -> CompiledPiece:
     """Compile one piece; ``as_layer``: try to run it as a :class:`CompiledLayer`."""
-    compiled, fw_metadata = _compile_in_own_context(compile_one, sub, example, as_layer)
+    compiled, fw_metadata = compile_with_metadata(compile_one, sub, example, as_layer)
     if not as_layer:
         return CompiledPiece(name, compiled.fn)
     # Note: [What a CompiledLayer relies on]

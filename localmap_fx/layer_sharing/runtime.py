@@ -48,9 +48,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..compiler.inner import AotGraph
+    import torch.fx as fx
 
-__all__ = ["CompiledLayer", "compiled_layer", "Refusal", "Refused", "LayerRun", "RunStep"]
+    from ..compiler.inner import AotGraph, Compiled, CompileOne
+
+__all__ = ["CompiledLayer", "compiled_layer", "compile_with_metadata", "Refusal", "Refused", "LayerRun", "RunStep"]
 
 
 class Refused(enum.Enum):
@@ -71,9 +73,10 @@ class Refused(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """A piece that cannot run as a :class:`CompiledLayer`: the code, and the text the dump shows."""
+    """A graph that cannot run as a :class:`CompiledLayer` (or behind the
+    lean DTensor border): the code to branch on, and the text the dump shows."""
 
-    code: Refused
+    code: enum.Enum  # Refused here; compiler.dtensor_border.BorderRefused for its own checks
     text: str
 
 
@@ -136,6 +139,27 @@ def _as_traced(grad: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...
 
 def _static(values: Sequence[Any]) -> bool:
     return all(isinstance(v, int) for v in values)
+
+
+def compile_with_metadata(compile_one: CompileOne, gm: fx.GraphModule, example: list[Any], aot_graphs: bool,
+                          fake_mode: Any = None) -> tuple[Compiled, Any]:
+    """``compile_one`` under a TracingContext of its own; also returns the
+    forward metadata AOTAutograd left there, which :func:`compiled_layer`
+    reads (Note: [One TracingContext per piece] in :mod:`.compile`).
+
+    ``fake_mode``: the examples' fake mode when the caller knows it (it is
+    detected from ``example`` otherwise).  The one place that reads
+    AOTAutograd's metadata back from a TracingContext."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+
+    fake_mode = fake_mode if fake_mode is not None else detect_fake_mode(example)
+    if fake_mode is None:
+        return compile_one(gm, example, aot_graphs), None
+    context = TracingContext(fake_mode)
+    # a graph may be compiled inside a backward (the lean border's variants), where grad mode is off
+    with tracing(context), torch.enable_grad():
+        compiled = compile_one(gm, example, aot_graphs)
+    return compiled, context.fw_metadata
 
 
 def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,

@@ -1,0 +1,549 @@
+"""A lean DTensor border for a compiled graph.
+
+A graph whose inputs or outputs are DTensors (a block compiled on its own by
+``block.compile(backend="localmap_fx")``, or a whole model) normally runs
+through AOTAutograd's subclass runtime on every call: flatten and unflatten
+every DTensor, coerce every tangent to the placements it was traced with
+(``process_runtime_tangent``: an eager ``redistribute`` when the gradient
+arriving at a ``Replicate`` output is ``Partial``, i.e. one all_reduce per
+block per backward outside the compiled code), and rebuild specs.  Here the
+graph is compiled at the local level instead and run by one
+``autograd.Function`` that takes DTensors and returns DTensors::
+
+    AOTAutograd (per call)                       DTensorBorder (per call)
+    ----------------------                       ------------------------
+    flatten inputs, unflatten outputs,           local tensors out of the inputs
+    DTensorSpec rebuilt per output,              (placements and shape checked),
+    tangents coerced to traced placements        compiled forward, outputs wrapped in
+    (eager redistribute), backward,              specs built at compile time; backward:
+    gradients rebuilt as DTensors                the compiled backward for the placements
+                                                 the gradients really have
+
+What is compiled is the Dynamo graph behind a local-level wrapper (Note:
+[The border's wrapper graph]); its AOT forward and backward are kept and run
+as a :class:`~localmap_fx.layer_sharing.runtime.CompiledLayer` (same
+checks: no input written, no aliased output, no effect tokens or RNG state,
+static sizes).  Anything else returns a :class:`Refusal` and the graph keeps
+AOTAutograd's runtime.
+
+Note: [A backward per tangent placement]
+    The placements of a gradient arriving at an output are known only when
+    the backward runs (in a regional TP stack: ``Partial`` from the next
+    block's region, ``Replicate`` for the last block, whose gradient comes
+    from the loss).  The border traces its first variant with the
+    placements AOTAutograd assumes (:func:`_default_tangent`).  A gradient
+    in other placements gets a backward of its own, compiled once, at the
+    first backward that sees them: the same wrapper graph, with
+    ``to_local(grad_placements=<seen>)`` on that output, so the reduction
+    (if any) happens in compiled code, in the order eager DTensor does it.
+    Its forward must save what the first variant's does (the values saved,
+    by name and layout: :func:`_saved_signature`); then its backward reads
+    what the first variant's forward saved, whatever block called it.  When
+    it does not, the gradient is redistributed to the traced placements, as
+    AOTAutograd does.
+    A gradient is never read as a local tensor in placements it does not
+    have.
+
+Note: [The border's wrapper graph]
+    Each DTensor placeholder of the Dynamo graph becomes a local placeholder
+    and a call of ``_Enter`` (an autograd.Function: forward builds the
+    DTensor with the traced spec; backward returns the gradient's local
+    tensor *as it is* and records its placements while AOTAutograd traces
+    the joint graph, so an input's gradient keeps the placements eager gives
+    it, Partial included, when its local tensor has the input's shape; one
+    that does not, such as a Partial gradient of a Shard input, is
+    redistributed to the input's placements as ``DTensor.from_local``'s
+    backward does); each DTensor output gets ``to_local`` with the tangent
+    placements of the variant::
+
+        before:  def forward(x: DTensor, mesh, w: DTensor): ... return (y,)   # y DTensor
+        after:   def forward(x_local, mesh, w_local):
+                     x = enter_0(x_local); w = enter_2(w_local)
+                     ... (the Dynamo graph, copied)
+                     return (y.to_local(grad_placements=T0),)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
+
+if TYPE_CHECKING:
+    from .inner import AotGraph, CompileOne
+
+__all__ = ["BorderRefused", "DTensorBorder", "dtensor_border"]
+
+
+class BorderRefused(enum.Enum):
+    """Why a graph keeps AOTAutograd's DTensor runtime (the :class:`Refusal` code)."""
+
+    NO_DTENSOR = "no_dtensor"
+    NO_DTENSOR_OUT = "no_dtensor_out"
+    ALIAS = "alias"
+    SUBCLASS = "subclass"
+    SYMBOLIC = "symbolic"
+    MESH = "mesh"
+    NO_GRAD = "no_grad"
+    NO_FAKE_MODE = "no_fake_mode"
+    ATTRIBUTES = "attributes"
+    OUTPUT = "output"
+
+
+Placements = tuple  # tuple[Placement, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One graph input or output at the border: its traced DTensor spec, or None (plain / object)."""
+
+    spec: Any  # DTensorSpec | None
+    shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class _Variant:
+    """One compile of the wrapper graph: tangent placements -> compiled layer + input-gradient specs."""
+
+    tangents: tuple[Placements | None, ...]  # per graph output (None: plain output)
+    layer: CompiledLayer
+    in_grad_specs: list  # per graph input: the spec its gradient gets (None: no gradient / plain)
+    saved: tuple  # _saved_signature: what its backward reads from the forward
+
+
+def _spec(mesh, placements, shape, stride, dtype):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: Any, record: list) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        ctx.record = record
+        ctx.spec = spec
+        ctx.local_shape = tuple(local.shape)
+        ctx.set_materialize_grads(False)
+        # a fresh tensor object sharing memory, as DTensor.from_local makes
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: Any):
+        from torch.distributed.tensor import DTensor
+
+        if grad is None:
+            return None, None, None
+        if not isinstance(grad, DTensor):
+            raise AssertionError(f"the gradient of a DTensor input is a {type(grad).__name__}")
+        spec = ctx.spec
+        if tuple(grad.to_local().shape) != ctx.local_shape:
+            # Note: [The border's wrapper graph]: a gradient whose local tensor
+            # has another shape than the input's (a Partial gradient of a Shard
+            # input) is redistributed as DTensor.from_local's backward does
+            grad = grad.redistribute(spec.mesh, _default_tangent(spec.placements))
+        # read while AOTAutograd traces the joint graph (sizes are static)
+        # (the mesh is the input's: inside the trace it may be a fake object)
+        ctx.record[:] = [_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype)]
+        return grad.to_local(), None, None
+
+
+def _enter_fn(spec: Any, record: list) -> Callable:
+    def enter(local: torch.Tensor):
+        return _Enter.apply(local, spec, record)
+
+    return enter
+
+
+def _leave_fn(grad_placements: Placements) -> Callable:
+    def leave(out: Any):
+        return out.to_local(grad_placements=grad_placements)
+
+    return leave
+
+
+def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slot],
+             tangents: Sequence[Placements | None], records: Sequence[list]) -> fx.GraphModule:
+    """The local-level graph around ``gm`` (Note: [The border's wrapper graph])."""
+    g = fx.Graph()
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, fx.Node] = {}
+    for i, (p, slot) in enumerate(zip(old, inputs)):
+        new = g.placeholder(f"{p.name}_local" if slot.spec is not None else p.name)
+        new.meta = dict(p.meta)
+        if slot.spec is not None:
+            val = p.meta.get("example_value", p.meta.get("val"))
+            local = val._local_tensor if val is not None else None
+            for k in ("val", "example_value"):
+                if k in new.meta:
+                    new.meta[k] = local
+            dt = g.call_function(_enter_fn(slot.spec, records[i]), (new,))
+            dt.meta = dict(p.meta)
+            env[p] = dt
+        else:
+            env[p] = new
+    copied = g.graph_copy(gm.graph, env, return_output_node=True)
+    if not isinstance(copied, tuple):
+        raise AssertionError("graph_copy returned no output node")
+    new_outs, _ = copied
+    results = []
+    for a, slot, t in zip(new_outs, outputs, tangents):
+        if slot.spec is None or t is None:
+            results.append(a)
+            continue
+        leave = g.call_function(_leave_fn(t), (a,))
+        val = a.meta.get("example_value", a.meta.get("val"))
+        if val is not None:
+            leave.meta["val"] = val._local_tensor
+        results.append(leave)
+    g.output(tuple(results))
+    wrapped = fx.GraphModule(gm, g)
+    return wrapped
+
+
+def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list[_Slot], list[_Slot]] | Refusal:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    # The specs built here are given to every DTensor the border makes, so
+    # their mesh must be the user's object: a traced value's mesh can be a
+    # fake stand-in (FakeScriptObject), equal to it but not it.
+    real = [m for v in example_inputs for m in (v.device_mesh if isinstance(v, DTensor) else v,)
+            if isinstance(m, DeviceMesh)]
+
+    def slot(v: Any, where: str) -> _Slot | Refusal:
+        if isinstance(v, DTensor):
+            local = v._local_tensor
+            if is_traceable_wrapper_subclass(local):
+                return Refusal(BorderRefused.SUBCLASS, f"{where}: a DTensor over a {type(local).__name__}")
+            if not (_static(v) and _static(local)):
+                return Refusal(BorderRefused.SYMBOLIC, f"{where}: a DTensor with symbolic sizes")
+            mesh = next((m for m in real if m is v.device_mesh), None) or next(
+                (m for m in real if m == v.device_mesh), None)
+            if mesh is None:
+                return Refusal(BorderRefused.MESH, f"{where}: its mesh is no mesh among the inputs")
+            return _Slot(_spec(mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
+        if is_traceable_wrapper_subclass(v):
+            return Refusal(BorderRefused.SUBCLASS, f"{where}: a {type(v).__name__}")
+        if isinstance(v, torch.Tensor) and not _static(v):
+            return Refusal(BorderRefused.SYMBOLIC, f"{where}: a tensor with symbolic sizes")
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return Refusal(BorderRefused.SYMBOLIC, f"{where}: a symbolic scalar")
+        return _Slot(None)
+
+    ins, outs = [], []
+    for i, v in enumerate(example_inputs):
+        s = slot(v, f"input {i}")
+        if isinstance(s, Refusal):
+            return s
+        ins.append(s)
+    for i, v in enumerate(out_vals):
+        if not isinstance(v, torch.Tensor):
+            return Refusal(BorderRefused.OUTPUT, f"output {i} is a {type(v).__name__}, not a tensor")
+        s = slot(v, f"output {i}")
+        if isinstance(s, Refusal):
+            return s
+        outs.append(s)
+    if all(s.spec is None for s in (*ins, *outs)):
+        return Refusal(BorderRefused.NO_DTENSOR, "no DTensor crosses the border")
+    if all(s.spec is None for s in outs):
+        # DTensors in, local tensors out: typically to_local views of the
+        # inputs (a split frame's first piece), which AOTAutograd's metadata
+        # would show as aliased outputs only after a wasted compile
+        return Refusal(BorderRefused.NO_DTENSOR_OUT, "no output is a DTensor")
+    return ins, outs
+
+
+def _shared_storage(in_vals: Sequence[Any], out_vals: Sequence[Any]) -> str | None:
+    """Which output is a view or shares storage with an input or an earlier output (traced values).
+
+    AOTAutograd's metadata says so too, but only after a compile that the
+    border would then throw away (a frame cut by a graph break returns a
+    DTensor and its local tensor).
+    """
+    from ..analysis import storage_key
+
+    seen = {k: f"input {i}" for i, k in enumerate(storage_key(v) for v in in_vals) if k is not None}
+    for i, v in enumerate(out_vals):
+        local = getattr(v, "_local_tensor", v)
+        if isinstance(local, torch.Tensor) and local._is_view():
+            # a view of an intermediate (from_local of a region's result):
+            # AOTAutograd's runtime regenerates it, a CompiledLayer refuses it
+            return f"output {i} is a view"
+        k = storage_key(v)
+        if k is None:
+            continue
+        if k in seen:
+            return f"output {i} shares storage with {seen[k]}"
+        seen[k] = f"output {i}"
+    return None
+
+
+def _default_tangent(placements: Placements) -> Placements:
+    """What the first variant assumes an output's gradient is in.
+
+    AOTAutograd's and ``to_local``'s default: the output's placements with
+    Partial as Replicate (``loss.backward()`` on a Partial loss sends a
+    Replicate gradient).
+    """
+    from torch.distributed.tensor import Replicate
+
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+class DTensorBorder:
+    """A compiled graph run between DTensors (Note: [A backward per tangent placement])."""
+
+    def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
+                 inputs: list[_Slot], outputs: list[_Slot], first: _Variant) -> None:
+        self._gm = gm
+        self._local_inputs = local_inputs
+        self._fake_mode = fake_mode
+        self._compile_one = compile_one
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.first = first
+        # tangent placements -> a variant whose backward reads first's saved values, or None
+        # (its forward differs: such gradients are redistributed to first's placements)
+        self.variants: dict[tuple, _Variant | None] = {first.tangents: first}
+        self._in_checks = tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs)
+                                if s.spec is not None)
+
+    def text(self) -> str:
+        seen = ", ".join(
+            f"{_placements_text(t)}{'' if v is not None else ' (redistributed)'}" for t, v in self.variants.items())
+        return f"DTensor border: {sum(s.spec is not None for s in self.inputs)} DTensor inputs, " \
+               f"{sum(s.spec is not None for s in self.outputs)} DTensor outputs; backward for tangents {seen}"
+
+    def __call__(self, *args: Any) -> tuple:
+        from torch.distributed.tensor import DTensor
+
+        for i, placements, shape in self._in_checks:
+            a = args[i]
+            if type(a) is not DTensor or a.placements != placements or a.shape != shape:
+                got = f"{type(a).__name__} {getattr(a, 'placements', '')} {tuple(getattr(a, 'shape', ()))}"
+                raise RuntimeError(
+                    f"localmap_fx: input {i} of a compiled graph is {got}, traced as DTensor {placements} "
+                    f"{tuple(shape)}; the compiled code would misread it")
+        return _BorderFunction.apply(self, *args)
+
+    def variant_for(self, tangents: tuple) -> _Variant | None:
+        """The variant for gradients in ``tangents`` (compiled at the first call), None if unusable."""
+        if tangents in self.variants:
+            return self.variants[tangents]
+        v = _compile_variant(self._gm, self._local_inputs, self._fake_mode, self._compile_one,
+                             self.inputs, self.outputs, tangents)
+        first = self.first.layer
+        usable = (not isinstance(v, Refusal) and v.saved == self.first.saved
+                  and (v.layer.n_outputs, v.layer.n_opaque, v.layer.n_symints)
+                  == (first.n_outputs, first.n_opaque, first.n_symints)
+                  and v.layer.differentiable == first.differentiable)
+        self.variants[tangents] = v if usable and not isinstance(v, Refusal) else None
+        return self.variants[tangents]
+
+
+def _placements_text(t: tuple) -> str:
+    return "(" + ", ".join("-" if p is None else "".join(str(x) for x in p) for p in t) + ")"
+
+
+def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake_mode: Any) -> list:
+    """Fake values for the wrapper's placeholders: a DTensor's local tensor, requiring grad as the DTensor does.
+
+    Dynamo hands real tensors (AOTAutograd fakes them); the border keeps
+    fakes only, for the variants it compiles later.
+    """
+    out = []
+    for v, s in zip(example_inputs, inputs):
+        t = v._local_tensor if s.spec is not None else v
+        if isinstance(t, torch.Tensor):
+            if not isinstance(t, FakeTensor):
+                t = fake_mode.from_tensor(t, static_shapes=True)
+            with fake_mode:
+                t = t.detach().requires_grad_(v.requires_grad)
+        out.append(t)
+    return out
+
+
+def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
+                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple) -> _Variant | Refusal:
+    records: list[list] = [[] for _ in inputs]
+    wrapped = _wrapper(gm, inputs, outputs, tangents, records)
+    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode)
+    layer = compiled_layer(compiled.aot_graphs, fw_metadata)
+    if isinstance(layer, Refusal):
+        return layer
+    return _Variant(tangents, layer, [r[0] if r else None for r in records], _saved_signature(compiled.aot_graphs))
+
+
+def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
+    """What the backward reads from the forward: its saved placeholders' names and layouts.
+
+    Every variant traces the same forward first (a tangent enters only
+    backward nodes), so a name means the same forward value in each; the
+    placeholders are what Inductor's passes leave untouched.
+    """
+    bw_gm = next(a.graph for a in aot_graphs if a.kind == "backward")
+    sig = []
+    for n in bw_gm.graph.find_nodes(op="placeholder"):
+        if n.name.startswith("tangents"):
+            continue
+        v = n.meta.get("val")
+        layout = (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+        sig.append((n.name, layout))
+    return tuple(sig)
+
+
+def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                   compile_one: CompileOne) -> DTensorBorder | Refusal:
+    """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
+
+    ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
+    (it must keep the AOT graphs: inductor or aot_eager).
+    """
+    from torch._guards import detect_fake_mode
+
+    from ..graph_utils import node_value
+
+    if not torch.is_grad_enabled():
+        return Refusal(BorderRefused.NO_GRAD, "compiled under no_grad: AOTAutograd's inference runtime is already lean")
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return Refusal(BorderRefused.ATTRIBUTES, "the graph holds parameters or buffers")
+    for n in gm.graph.find_nodes(op="get_attr"):
+        v = getattr(gm, str(n.target), None)
+        if isinstance(v, torch.Tensor):
+            return Refusal(BorderRefused.ATTRIBUTES, f"the graph reads tensor attribute {n.target}")
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = out_node.args[0]
+    if not isinstance(outs, (tuple, list)) or not all(isinstance(o, fx.Node) for o in outs):
+        return Refusal(BorderRefused.OUTPUT, "the graph's outputs are not a flat tuple of values")
+    out_vals = [node_value(o) for o in outs]
+    slots = _slots(example_inputs, out_vals)
+    if isinstance(slots, Refusal):
+        return slots
+    shared = _shared_storage([node_value(p) for p in gm.graph.find_nodes(op="placeholder")], out_vals)
+    if shared is not None:
+        return Refusal(BorderRefused.ALIAS, shared)
+    inputs, outputs = slots
+    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
+        return Refusal(BorderRefused.NO_GRAD, "no input requires grad")
+    # the examples' own mode first: a piece's examples are fakes of a mode
+    # other than the tracing context's
+    fake_mode = next((t.fake_mode for v, s in zip(example_inputs, inputs)
+                      for t in (v._local_tensor if s.spec is not None else v,) if isinstance(t, FakeTensor)),
+                     None) or detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return Refusal(BorderRefused.NO_FAKE_MODE, "compiled outside Dynamo (no fake mode)")
+    local_inputs = _local_examples(example_inputs, inputs, fake_mode)
+    tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
+    first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents)
+    if isinstance(first, Refusal):
+        return first
+    return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first)
+
+
+_TENSOR = object()
+
+_DONATED = (
+    "This backward function was compiled with non-empty donated buffers which requires "
+    "create_graph=False and retain_graph=False. Please keep backward(create_graph=False, "
+    "retain_graph=False) across all backward() function calls, or set "
+    "torch._functorch.config.donated_buffer=False to disable donated buffer."
+)
+
+
+class _BorderFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, border: DTensorBorder, *args: Any):
+        from torch.distributed.tensor import DTensor
+
+        layer = border.first.layer
+        local = [a._local_tensor if s.spec is not None else a for a, s in zip(args, border.inputs)]
+        outs, saved = layer.split(layer.forward(local))
+        results = tuple(o if s.spec is None else DTensor(o, s.spec, requires_grad=False)
+                        for o, s in zip(outs, border.outputs))
+        keep = set(layer.differentiable)
+        others = [r for i, r in enumerate(results) if i not in keep]
+        if others:
+            ctx.mark_non_differentiable(*others)
+        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        ctx.others = [_TENSOR if isinstance(v, torch.Tensor) else v for v in saved]
+        ctx.border = border
+        ctx.set_materialize_grads(False)
+        return results
+
+    @staticmethod
+    def backward(ctx, *grads: Any):
+        from torch.distributed.tensor import DTensor
+
+
+        if torch.is_grad_enabled():
+            # create_graph=True: the compiled backward has no backward of its
+            # own, and gradients that silently stop here would be misread
+            # (AOTAutograd raises the same when the double backward runs)
+            raise RuntimeError("torch.compile with aot_autograd does not currently support double backward")
+
+        border: DTensorBorder = ctx.border
+        first = border.first
+        differentiable = first.layer.differentiable
+        seen = list(first.tangents)
+        for i in differentiable:
+            g = grads[i]
+            if border.outputs[i].spec is None or g is None:
+                continue
+            if not isinstance(g, DTensor):
+                raise RuntimeError(
+                    f"localmap_fx: the gradient of output {i} of a compiled graph is a {type(g).__name__}, "
+                    f"not a DTensor like the output")
+            seen[i] = g.placements
+        seen_t = tuple(seen)
+        variant = border.variant_for(seen_t) if seen_t != first.tangents else first
+        if variant is None:
+            # Note: [A backward per tangent placement]: AOTAutograd's way
+            variant = first
+            grads = tuple(g if (i not in differentiable or g is None or border.outputs[i].spec is None
+                                or g.placements == first.tangents[i])
+                          else g.redistribute(g.device_mesh, first.tangents[i])
+                          for i, g in enumerate(grads))
+        layer = variant.layer
+        if layer.donates_buffers and torch._C._autograd._get_current_graph_task_keep_graph():
+            raise RuntimeError(_DONATED)
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if v is _TENSOR else v for v in ctx.others]
+        del tensors
+        ctx.maybe_clear_saved_tensors()
+        tangents = []
+        for i, layout, (dtype, device) in zip(differentiable, layer.tangent_layouts, layer.tangent_types):
+            g = grads[i]
+            if g is None:
+                tangents.append(torch.empty_strided(*layout, dtype=dtype, device=device).zero_())
+                continue
+            if isinstance(g, DTensor):
+                g = g._local_tensor
+            if tuple(g.shape) != layout[0]:
+                raise RuntimeError(
+                    f"localmap_fx: the gradient of output {i} of a compiled graph has local shape "
+                    f"{tuple(g.shape)}, its backward was compiled for {layout[0]}")
+            tangents.append(_as_traced(g, layout))
+        in_grads = layer.backward(saved + tangents)
+        out = []
+        for g, spec, s in zip(in_grads, variant.in_grad_specs, border.inputs):
+            if g is None or s.spec is None:
+                out.append(g)
+            elif spec is None:
+                raise AssertionError("a DTensor input got a gradient its trace did not record")
+            else:
+                out.append(DTensor(g, spec, requires_grad=False))
+        return (None, *out)

@@ -1,0 +1,374 @@
+"""The lean DTensor border (``localmap_fx/compiler/dtensor_border.py``).
+
+Hand-written graphs with DTensor inputs and outputs, compiled whole, against
+torch autograd in eager; the regional TP stack (each ``nn.Module`` block its
+own frame) under aot_eager and inductor; gradients arriving in other
+placements than traced (a backward compiled for them, or the redistribute
+fallback); what the border refuses.  Single-process tests run on the fake
+process group (collectives are no-ops: eager and compiled run the same
+collectives on the same values, so equality there is structural); the gloo
+tier checks real numerics on 2 ranks.  (LocalTensorMode wraps local tensors
+in a subclass, which the border refuses, so it has no tier here.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from localmap_fx.compiler.dtensor_border import BorderRefused, DTensorBorder, dtensor_border
+from localmap_fx.compiler.inner import inner_compiler
+from localmap_fx.compiler.options import BackendOptions
+from localmap_fx.compiler.pipeline import compile_graph
+from localmap_fx.layer_sharing.runtime import Refusal, Refused
+
+from helpers import mesh_1d
+
+
+def _recording(inner: str, **opts):
+    """A backend that keeps what compile_graph returned for each frame."""
+    options = BackendOptions(inner=inner, **opts)
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        fn = compile_graph(gm, example_inputs, options)
+        seen.append(fn)
+        return fn
+
+    return backend, seen
+
+
+def _refusal_of(fn, args, inner="aot_eager"):
+    """What dtensor_border says about ``fn``'s graph (the frame then compiles as usual)."""
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        compile_one = inner_compiler(BackendOptions(inner=inner, lean_border=False))
+        seen.append(dtensor_border(gm, example_inputs, compile_one))
+        return compile_one(gm, list(example_inputs)).fn
+
+    torch.compile(fn, backend=backend)(*args)
+    return seen[0]
+
+
+def _dt(shape, placements, seed, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(*shape, generator=g)
+    return distribute_tensor(full, mesh_1d(), placements).detach().requires_grad_(requires_grad)
+
+
+def _grads(*ts):
+    return [None if t.grad is None else (t.grad.placements, t.grad.full_tensor()) for t in ts]
+
+
+def _clear(*ts):
+    for t in ts:
+        t.grad = None
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
+        assert torch.equal(x[1], y[1])
+
+
+def _col_row(x, w1, w2):
+    mesh = x.device_mesh
+    h = torch.relu(x @ w1)                      # R @ S(1) -> S(1)
+    y = h @ w2                                  # S(1) @ S(0) -> P
+    return y.redistribute(mesh, [Replicate()]) + x
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_hand_written_graph_equals_eager_through_the_border(inner):
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+
+    loss = (_col_row(x, w1, w2) ** 2).sum()
+    loss.backward()
+    eager = [loss.to_local().clone(), *_grads(x, w1, w2)]
+    _clear(x, w1, w2)
+
+    backend, seen = _recording(inner)
+    out = torch.compile(_col_row, backend=backend)(x, w1, w2)
+    # the user's mesh object, not the fake stand-in the trace saw
+    assert out.device_mesh is x.device_mesh
+    loss = (out ** 2).sum()
+    loss.backward()
+    got = [loss.to_local().clone(), *_grads(x, w1, w2)]
+    (border,) = seen
+    assert isinstance(border, DTensorBorder), border
+    assert torch.equal(eager[0], got[0])
+    _same(eager[1:], got[1:])
+    assert eager[1][0] == got[1][0] == (Partial(),)
+
+
+def test_partial_gradient_gets_a_backward_of_its_own():
+    """A Replicate output whose gradient arrives Partial: the border compiles a
+    backward for Partial (once), the gradients are eager's, and a second step
+    compiles nothing."""
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+
+    def downstream(y):
+        # the gradient reaching y is Partial, as after the next block's region
+        return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
+
+    downstream(_col_row(x, w1, w2)).backward()
+    eager = _grads(x, w1, w2)
+    _clear(x, w1, w2)
+
+    backend, seen = _recording("aot_eager")
+    f = torch.compile(_col_row, backend=backend)
+    for _ in range(2):
+        downstream(f(x, w1, w2)).backward()
+        got = _grads(x, w1, w2)
+        _same(eager, got)
+        _clear(x, w1, w2)
+        (border,) = seen
+        assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
+        assert border.variants[((Partial(),),)] is not None
+        # eager gives x a Partial gradient; so does the border (AOTAutograd's
+        # runtime too); w2's Partial gradient is reduced to its Shard(0), as
+        # DTensor.from_local's backward does
+        assert eager[0][0] == got[0][0] == (Partial(),)
+        assert got[2][0] == (Shard(0),)
+
+
+def test_gradient_redistributed_when_no_backward_fits():
+    """When a backward for the arriving placements cannot read the first
+    forward's saved values, the gradient is redistributed to the traced
+    placements: AOTAutograd's way, so its gradients are AOTAutograd's."""
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+
+    def downstream(y):
+        return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
+
+    backend, _ = _recording("aot_eager", lean_border=False)
+    downstream(torch.compile(_col_row, backend=backend)(x, w1, w2)).backward()
+    aot = _grads(x, w1, w2)
+    _clear(x, w1, w2)
+    torch._dynamo.reset()
+
+    backend, seen = _recording("aot_eager")
+    f = torch.compile(_col_row, backend=backend)
+    f(x, w1, w2)
+    (border,) = seen
+    border.variants[((Partial(),),)] = None  # as if its forward saved other values
+    downstream(f(x, w1, w2)).backward()
+    _same(aot, _grads(x, w1, w2))
+    assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
+
+
+def test_shard_output_with_plain_and_non_differentiable_outputs():
+    """Several outputs: a Shard(0) DTensor, a plain tensor and an integer DTensor
+    (no gradient); one input that needs no gradient."""
+    x = _dt((8, 16), [Shard(0)], 0)
+    w = _dt((16, 16), [Replicate()], 1, requires_grad=False)
+    b = torch.randn(2, 16, requires_grad=True)  # the local shard of x @ w on 4 ranks
+
+    def f(x, w, b):
+        y = torch.tanh(x @ w)
+        local = y.to_local() * b
+        return y, local, (y > 0).to(torch.int64)
+
+    def loss_of(outs):
+        y, local, mask = outs
+        return (y * y).sum().to_local() + local.sum() + mask.to_local().sum()
+
+    eager_out = f(x, w, b)
+    loss_of(eager_out).backward()
+    eager = [*_grads(x, w), b.grad.clone()]
+    x.grad = None
+    b.grad = None
+
+    backend, seen = _recording("aot_eager")
+    got_out = torch.compile(f, backend=backend)(x, w, b)
+    assert isinstance(seen[0], DTensorBorder)
+    assert got_out[0].placements == (Shard(0),) and not got_out[2].requires_grad
+    assert isinstance(got_out[1], torch.Tensor) and not isinstance(got_out[1], DTensor)
+    loss_of(got_out).backward()
+    _same(eager[:2], _grads(x, w))
+    assert torch.equal(eager[2], b.grad)
+
+
+def test_input_in_other_placements_than_traced_is_an_error():
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    backend, seen = _recording("aot_eager")
+    torch.compile(_col_row, backend=backend)(x, w1, w2)
+    (border,) = seen
+    mesh = x.device_mesh
+    args = [a if not isinstance(a, DTensor) or a is not x else x.redistribute(mesh, [Shard(0)])
+            for a in _frame_args(border, x, w1, w2)]
+    with pytest.raises(RuntimeError, match="traced as DTensor"):
+        border(*args)
+
+
+def _frame_args(border, x, w1, w2):
+    """The frame's arguments in Dynamo's order (read from the traced specs)."""
+    pool = {id(x): x, id(w1): w1, id(w2): w2}
+    out = []
+    remaining = list(pool.values())
+    for s in border.inputs:
+        if s.spec is None:
+            out.append(x.device_mesh)
+            continue
+        t = next(t for t in remaining if t.placements == s.spec.placements and tuple(t.shape) == s.shape)
+        remaining.remove(t)
+        out.append(t)
+    return out
+
+
+def test_double_backward_through_the_border_is_an_error():
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    backend, seen = _recording("aot_eager")
+    # (with donated buffers, create_graph=True is refused already, with AOTAutograd's message)
+    with torch._functorch.config.patch(donated_buffer=False):
+        out = torch.compile(_col_row, backend=backend)(x, w1, w2)
+    assert isinstance(seen[0], DTensorBorder)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        torch.autograd.grad((out ** 2).sum(), [x], create_graph=True)
+
+
+def test_refusals():
+    x = _dt((8, 16), [Replicate()], 0)
+
+    def writes(x, buf):
+        buf.add_(1)
+        return x * 2
+
+    r = _refusal_of(writes, (x, torch.zeros(3)))
+    assert isinstance(r, Refusal) and r.code is Refused.WRITES_INPUT and "writes to an input" in r.text
+
+    def aliases(x):
+        return x.t(), x * 2
+
+    r = _refusal_of(aliases, (x,))
+    assert r == Refusal(BorderRefused.ALIAS, "output 0 shares storage with input 0")
+
+    def region_result(x):
+        # from_local of a result: a view of an intermediate (a frame cut by a graph break)
+        return DTensor.from_local(x.to_local() * 2, x.device_mesh, [Replicate()])
+
+    r = _refusal_of(region_result, (x,))
+    assert r == Refusal(BorderRefused.ALIAS, "output 0 is a view")
+
+    def plain(a):
+        return a * 2
+
+    r = _refusal_of(plain, (torch.randn(3, requires_grad=True),))
+    assert isinstance(r, Refusal) and r.code is BorderRefused.NO_DTENSOR
+
+    with torch.no_grad():
+        r = _refusal_of(lambda x: x * 2, (x,))
+    assert isinstance(r, Refusal) and r.code is BorderRefused.NO_GRAD
+
+
+def test_symbolic_sizes_are_refused():
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        compile_one = inner_compiler(BackendOptions(inner="aot_eager", lean_border=False))
+        seen.append(dtensor_border(gm, example_inputs, compile_one))
+        return compile_one(gm, list(example_inputs)).fn
+
+    f = torch.compile(lambda x: x * 2, backend=backend, dynamic=True)
+    f(_dt((8, 16), [Replicate()], 0))
+    assert any(isinstance(r, Refusal) and r.code is BorderRefused.SYMBOLIC for r in seen), seen
+
+
+# --- the regional TP stack ---------------------------------------------------------
+
+def _stack(mesh, n, d=16, hidden=32, batch=8):
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    return TPStack(mesh, n, d=d, hidden=hidden), tp_stack_input(mesh, batch, d)
+
+
+def _regional_steps(mesh, n, backend, steps=2):
+    """Loss and gradients (as full tensors) of ``steps`` steps; backend None = eager."""
+    model, x = _stack(mesh, n)
+    if backend is not None:
+        for block in model.blocks:
+            block.compile(backend=backend)
+    out = []
+    for _ in range(steps):
+        loss = model(x)
+        loss.backward()
+        leaves = [x, *model.parameters()]
+        out.append([loss.full_tensor()] + [t.grad.full_tensor() for t in leaves])
+        for t in leaves:
+            t.grad = None
+    return out
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_regional_stack_runs_behind_the_border_and_equals_eager(inner):
+    mesh = mesh_1d()
+    eager = _regional_steps(mesh, 3, None)
+    backend, seen = _recording(inner)
+    got = _regional_steps(mesh, 3, backend)
+    # one frame for every block, as upstream regional compilation (the blocks'
+    # outputs carry the user's mesh, so Dynamo's guards on it hold)
+    assert len(seen) == 1 and isinstance(seen[0], DTensorBorder), seen
+    # inner blocks get Partial gradients, the last block (from the loss) Replicate
+    assert {t for b in seen for t, v in b.variants.items() if v is not None} == {
+        ((Replicate(),),), ((Partial(),),)}
+    for e, g in zip(eager, got):
+        for a, b in zip(e, g):
+            if inner == "aot_eager":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_border_off_keeps_aotautograds_runtime():
+    mesh = mesh_1d()
+    backend, seen = _recording("aot_eager", lean_border=False)
+    _regional_steps(mesh, 2, backend, steps=1)
+    assert seen and not any(isinstance(b, DTensorBorder) for b in seen)
+
+
+# --- gloo: real collectives ------------------------------------------------------
+
+def _gloo_regional(rank, world_size, device):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import localmap_fx
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    eager = _regional_steps(mesh, 5, None)
+    report = {}
+    for inner in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        got = _regional_steps(mesh, 5, localmap_fx.backend(inner))
+        for s, (e, g) in enumerate(zip(eager, got)):
+            for k, (a, b) in enumerate(zip(e, g)):
+                if inner == "aot_eager":
+                    ok = torch.equal(a, b)
+                else:
+                    ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5 * (1 + a.abs().max().item()))
+                report[(inner, s, k)] = (bool(ok), (a - b).abs().max().item())
+    return report
+
+
+def test_regional_stack_on_gloo_equals_eager_bitwise_under_aot_eager():
+    from localmap_fx.testing.dist import run_ranks
+
+    results = run_ranks(_gloo_regional, world_size=2, timeout=900)
+    bad = {(r, k): v for r, rep in enumerate(results) for k, v in rep.items() if not v[0]}
+    assert not bad, bad
+    assert len(results[0]) == 2 * 2 * (1 + 1 + 2 * 5)
