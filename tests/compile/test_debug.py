@@ -474,7 +474,7 @@ def test_torch_logs_regions_artifact():
     )
     env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, "TORCH_TRACE")}
     env["TORCH_LOGS"] = "localmap_fx_regions"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[__localmap_fx_regions]" in out.stderr

@@ -5,7 +5,7 @@ reductions, views, multiple outputs), redistribute on/off and grad
 placements.  All ranks run in this process (``LocalTensorMode``).
 
 Profiles (``LOCALMAP_FX_FUZZ_PROFILE``): ``ci`` (default, 100 examples) and
-``long`` (500 examples): ``LOCALMAP_FX_FUZZ_PROFILE=long pytest tests/test_fuzz.py``.
+``long`` (500 examples): ``LOCALMAP_FX_FUZZ_PROFILE=long pytest tests/compile/test_fuzz.py``.
 """
 
 from __future__ import annotations
