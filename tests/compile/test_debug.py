@@ -386,6 +386,7 @@ def test_nothing_dumped_or_wrapped_when_off(monkeypatch):
     assert made == [None]
 
 
+@pytest.mark.inductor
 def test_inductor_pointer(tmp_path):
     _compile("partial_grad", inner="inductor", dump_dir=str(tmp_path))
     d = _only_frame(tmp_path)

@@ -55,6 +55,7 @@ def test_auto_weighs_the_piece_price_against_the_layer_compute():
     assert "repeats of a layer" in layer_sharing_decision(fewer, "auto", large)
 
 
+@pytest.mark.inductor
 def test_default_inductor_keeps_a_cheap_deep_stack_whole_and_says_why(tmp_path):
     import json
     import os
@@ -158,6 +159,8 @@ def _gloo_deep_vs_eager(rank, world_size, device):
     return report
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_deep_stack_on_gloo_equals_eager():
     from localmap_fx.testing.dist import run_ranks
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -151,6 +152,7 @@ def _full(t):
     return t.full_tensor()
 
 
+@pytest.mark.slow
 @given(cases())
 def test_eager_compiled_and_math_agree(case):
     ndim, body, per_in, per_out, per_grad, redistribute, actual, with_grads, seed = case
