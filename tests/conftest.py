@@ -17,8 +17,10 @@ Tiers: ``tests/unit`` (one process, no compiler or a hand-built graph),
 * ``inductor``: set here on every case parametrized with ``"inductor"``,
   written on the others; a test that compiles with Inductor in this process
   without the marker fails (:func:`_inductor_marker_is_true`);
-* ``slow``: written on the suite's longest tests (docs/user-guide.md,
-  "Running the tests").
+* ``slow``: written on the suite's longest tests: those that took 10 s or
+  more in a measured run of the whole suite on a loaded 2-CPU machine
+  (about 3-4 s on a quiet one), and every test sharing a module fixture
+  with one of them (the fixture's cost goes to whichever test sets it up).
 
 ``--quick`` (``bash scripts/test.sh --quick``) deselects ``slow`` tests and
 keeps a fixed sample of the cases of each parametrized test function

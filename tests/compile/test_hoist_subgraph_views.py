@@ -77,6 +77,7 @@ def _inductor_with(pass_=None, record=None):
     return backend
 
 
+@pytest.mark.slow
 def test_upstream_inductor_overwrites_a_saved_view_of_a_subgraph_operand():
     """Pins torch 2.14.1 (no localmap_fx involved): w2's gradient is wrong."""
     errs = _rel_errors(torch.compile(_program, backend="inductor", fullgraph=True))

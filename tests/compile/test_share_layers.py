@@ -307,6 +307,7 @@ def test_auto_policy_shares_from_the_threshold_on():
         assert layer_sharing_decision(plan, False) == "share_layers=False"
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_inductor_generates_kernels_once_per_distinct_layer():
     from torch._inductor import metrics

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -51,6 +53,7 @@ def _grad_error(mode: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_local_tensor_mode_gradient_after_a_compiled_backward():
     assert _grad_error("fresh") == 0.0
     # torch 2.14.1: wrong (d/dx sum(x^2) = 2x is off by O(1))
