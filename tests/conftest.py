@@ -168,27 +168,48 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
-def _inductor_compiles() -> int:
-    """Inductor compilations so far in this process (a count some tests
-    clear: callers compare with ``!=``, not ``>``)."""
+_FX_CACHE_KEYS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+
+def _inductor_trail() -> tuple | None:
+    """Where Inductor records its compiles: the ``compile_fx_inner`` timings
+    and the FX graph cache counters, each as (the container, its size now).
+    Tests and ``torch._dynamo.reset()`` clear both by replacing the container,
+    so a later reading compares the old container and the new one."""
     if "torch._dynamo.utils" not in sys.modules:
-        return 0
+        return None
     from torch._dynamo.utils import compilation_time_metrics, counters
 
+    timings = compilation_time_metrics.get("compile_fx_inner")
     cache = counters["inductor"]
-    return len(compilation_time_metrics.get("compile_fx_inner", ())) + sum(
-        cache[k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
-    )
+    return timings, len(timings or ()), cache, sum(cache[k] for k in _FX_CACHE_KEYS)
 
 
-_COMPILES_BEFORE = pytest.StashKey[int]()
+def _inductor_compiled_since(before: tuple | None) -> bool:
+    after = _inductor_trail()
+    if after is None:
+        return False
+    if before is None:
+        before = (None, 0, None, 0)
+    timings0, n0, cache0, c0 = before
+    timings1, n1, cache1, c1 = after
+    if timings1 is timings0 and n1 != n0 or timings1 is not timings0 and n1:
+        return True
+    if timings0 is not None and len(timings0) > n0:  # recorded, then cleared
+        return True
+    if cache1 is cache0:
+        return c1 != c0
+    return c1 > 0 or (cache0 is not None and sum(cache0[k] for k in _FX_CACHE_KEYS) > c0)
+
+
+_TRAIL_BEFORE = pytest.StashKey[tuple | None]()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     # before any fixture: a module-scoped fixture that compiles counts for
     # the test that sets it up
-    item.stash[_COMPILES_BEFORE] = _inductor_compiles()
+    item.stash[_TRAIL_BEFORE] = _inductor_trail()
     yield
 
 
@@ -198,8 +219,9 @@ def _inductor_marker_is_true(request):
     marker, so ``-m "not inductor"`` really leaves Inductor out.  (Compiles
     in gloo children are not seen: those tests are marked by hand.)"""
     yield
-    before = request.node.stash.get(_COMPILES_BEFORE, None)
-    if before is not None and _inductor_compiles() != before and request.node.get_closest_marker("inductor") is None:
+    if request.node.get_closest_marker("inductor") is None and _inductor_compiled_since(
+        request.node.stash.get(_TRAIL_BEFORE, None)
+    ):
         pytest.fail("this test compiles with Inductor: mark it @pytest.mark.inductor", pytrace=False)
 
 
