@@ -40,7 +40,9 @@ same cache folder measures its first forward + backward.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -76,10 +78,10 @@ def _init_fake_pg(world_size: int = 2):
 def _warm_up(mesh) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from .models import local_map_impl
+    from .models import local_map_of
 
     for impl, backend in (("ours", "localmap_fx"), ("torch", "inductor")):
-        lm = local_map_impl(impl)
+        lm = local_map_of(impl)
         f = lm(
             lambda a: torch.sigmoid(a) * 3,
             out_placements=[Shard(0)],
@@ -115,33 +117,43 @@ def _backend(impl: str, on_aot_graph):
     return "inductor"
 
 
-def _measure(mesh, model: str, impl: str, n_layers: int) -> dict:
+@contextlib.contextmanager
+def cold_caches() -> Iterator[dict]:
+    """Every compile cache cold inside the block: inductor's ``fresh_cache()``
+    with ``force_disable_caches`` patched on (both restored on exit).  Yields
+    a dict that, on exit, holds the block's per-phase breakdown
+    (:func:`_phases`) and ``kernels``, the number inductor generated.  Callers
+    reset Dynamo around it (the model must be built between the two)."""
     import torch._dynamo.utils as dutils
     from torch._inductor import config as iconfig
     from torch._inductor import metrics
     from torch._inductor.utils import fresh_cache
 
-    aot_graphs: list[str] = []
-    torch._dynamo.reset()
-    step, args = _build(mesh, model, impl, n_layers)
+    stats: dict = {}
     with fresh_cache(), iconfig.patch(force_disable_caches=True):
         metrics.reset()
         dutils.compilation_time_metrics.clear()
+        yield stats
+        stats.update(_phases(dutils.compilation_time_metrics), kernels=metrics.generated_kernel_count)
+
+
+def _measure(mesh, model: str, impl: str, n_layers: int) -> dict:
+    aot_graphs: list[str] = []
+    torch._dynamo.reset()
+    step, args = _build(mesh, model, impl, n_layers)
+    with cold_caches() as stats:
         compiled = torch.compile(step, backend=_backend(impl, lambda kind, gm: aot_graphs.append(kind)))
         t0 = time.perf_counter()
         loss = compiled(*args)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        phases = _phases(dutils.compilation_time_metrics)
-        kernels = metrics.generated_kernel_count
     torch._dynamo.reset()
     return {
         "total_s": t2 - t0,
         "forward_s": t1 - t0,
         "backward_s": t2 - t1,
-        **phases,
-        "kernels": kernels,
+        **stats,
         # ours only (the hook sees our AOT graphs): pieces compiled, forward
         "aot_forward_graphs": aot_graphs.count("forward") if impl == "ours" else None,
     }

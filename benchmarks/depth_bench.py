@@ -25,7 +25,8 @@ Four columns, interleaved in one run:
 
 Cold compile: first forward + backward, one fresh process for all of them on
 a fake process group of 2 (graph-level work only), every cache cold as in
-:mod:`benchmarks.compile_time` (whose per-phase breakdown this reuses).
+:mod:`benchmarks.compile_time` (its :func:`~benchmarks.compile_time.cold_caches`,
+per-phase breakdown included).
 Steady step: 2 gloo ranks, B 32, D 128, H 256, paired interleaved rounds
 (:mod:`benchmarks.timing`), wall clock.  Both measurements add
 ``ours_shared`` (``share_layers=True``: each distinct layer compiled once,
@@ -143,27 +144,18 @@ def build(mesh, style: str, column: str, n: int, batch: int, d: int, hidden: int
 # --- cold compile ------------------------------------------------------------
 
 def _measure_cold(mesh, style: str, column: str, n: int) -> dict:
-    import torch._dynamo.utils as dutils
-    from torch._inductor import config as iconfig
-    from torch._inductor import metrics
-    from torch._inductor.utils import fresh_cache
-
-    from .compile_time import _phases
+    from .compile_time import cold_caches
 
     torch._dynamo.reset()
     step, _, _ = build(mesh, style, column, n, batch=16, d=32, hidden=64)
     frames_before = dict(torch._dynamo.utils.counters["stats"])
-    with fresh_cache(), iconfig.patch(force_disable_caches=True):
-        metrics.reset()
-        dutils.compilation_time_metrics.clear()
+    with cold_caches() as stats:
         t0 = time.perf_counter()
         step()
         total = time.perf_counter() - t0
-        phases = _phases(dutils.compilation_time_metrics)
-        kernels = metrics.generated_kernel_count
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before.get("unique_graphs", 0)
     torch._dynamo.reset()
-    return {"total_s": total, **phases, "kernels": kernels, "graphs": frames}
+    return {"total_s": total, **stats, "graphs": frames}
 
 
 def cold_worker(plan: dict[str, list[int]]) -> dict:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -68,20 +67,19 @@ def eager_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
     }
 
 
-def compile_once(typecheck: str, inner: str, queue) -> None:
+def compile_once(typecheck: str, inner: str) -> dict:
     """In a fresh process: seconds for the first compiled forward+backward of the Llama model."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmfx_global_bench_")
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import localmap_fx
     from localmap_fx.testing.llama import Llama, LlamaConfig
 
+    from .compile_time import _init_fake_pg
+
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    mesh = _init_fake_pg(2)
 
     def lm(*args, **kwargs):
         return localmap_fx.local_map(*args, **kwargs, spmd_types=True)
@@ -106,18 +104,18 @@ def compile_once(typecheck: str, inner: str, queue) -> None:
     compiled = torch.compile(model, backend=localmap_fx.backend(inner=inner, typecheck=typecheck), fullgraph=True)
     t0, c0 = time.perf_counter(), time.process_time()
     compiled(tokens, targets).backward()
-    queue.put({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "check_cpu": check_cpu[0]})
+    out = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "check_cpu": check_cpu[0]}
     dist.destroy_process_group()
+    return out
 
 
 def _cold_compile(typecheck: str, inner: str) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=compile_once, args=(typecheck, inner, queue))
-    proc.start()
-    seconds = queue.get(timeout=900)
-    proc.join()
-    return seconds
+    # One process per compile, the harness of the other cold-compile
+    # benchmarks: Dynamo's, AOTAutograd's and the oracle's in-memory caches
+    # start empty, and timed_check's rebinding dies with the process.
+    from .run import _in_fresh_process
+
+    return _in_fresh_process(compile_once, typecheck, inner)
 
 
 def compile_report(inner: str, repeats: int) -> dict:

@@ -30,33 +30,23 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from localmap_fx.testing.models import ROW_GRAD_PLACEMENTS, layer_region, tp_block
+from localmap_fx.testing.models import (
+    ROW_GRAD_PLACEMENTS,
+    layer_region,
+    local_map_of,
+    seeded_randn,
+    tp_block,
+    tp_weights,
+)
 
-__all__ = ["local_map_impl", "build_tp_stack", "build_handwritten", "build_layer_stack"]
-
-
-def local_map_impl(impl: str):
-    if impl == "ours":
-        from localmap_fx import local_map
-
-        return local_map
-    if impl == "torch":
-        from torch.distributed.tensor.experimental import local_map
-
-        return local_map
-    raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
-
-
-def _rand(seed: int, *shape: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g)
+__all__ = ["local_map_of", "build_tp_stack", "build_handwritten", "build_layer_stack"]
 
 
 def tp_regions(impl: str, mesh, spmd_types: bool | str = False):
     """The column- and row-parallel regions of one TP block, with ``impl``'s local_map."""
     return tp_block(
         mesh,
-        local_map_fn=local_map_impl(impl),
+        local_map_fn=local_map_of(impl),
         row_grads=ROW_GRAD_PLACEMENTS,
         spmd_types=spmd_types,
     )
@@ -64,11 +54,8 @@ def tp_regions(impl: str, mesh, spmd_types: bool | str = False):
 
 def tp_stack_tensors(n_blocks: int, batch: int, d: int, hidden: int) -> dict:
     """Full (unsharded) tensors, identical on every rank."""
-    return {
-        "x": _rand(0, batch, d),
-        "w1": [_rand(1 + 2 * i, d, hidden) / d**0.5 for i in range(n_blocks)],
-        "w2": [_rand(2 + 2 * i, hidden, d) / hidden**0.5 for i in range(n_blocks)],
-    }
+    w1s, w2s = tp_weights(n_blocks, d, hidden)
+    return {"x": seeded_randn(0, batch, d), "w1": w1s, "w2": w2s}
 
 
 def build_tp_stack(
@@ -158,10 +145,10 @@ def build_handwritten(mesh, n_blocks: int = 2, batch: int = 32, d: int = 128, hi
 
 def build_layer_stack(mesh, impl: str, n_layers: int, d: int = 32, batch: int = 16):
     """``n_layers`` identical regions: x [S(0)] -> tanh(x @ w) + x, w [R]."""
-    layer = layer_region(mesh, local_map_fn=local_map_impl(impl))
-    x = distribute_tensor(_rand(0, batch, d), mesh, [Shard(0)]).requires_grad_()
+    layer = layer_region(mesh, local_map_fn=local_map_of(impl))
+    x = distribute_tensor(seeded_randn(0, batch, d), mesh, [Shard(0)]).requires_grad_()
     ws = [
-        distribute_tensor(_rand(1 + i, d, d) / d**0.5, mesh, [Replicate()]).requires_grad_()
+        distribute_tensor(seeded_randn(1 + i, d, d) / d**0.5, mesh, [Replicate()]).requires_grad_()
         for i in range(n_layers)
     ]
 

@@ -6,7 +6,7 @@ compute (``ref``, on the global inputs).  ``wrong`` bodies run, have the
 right shapes and types per rank, and compute something else; their
 ``error`` is a substring of the message ``spmd_types="global"`` must give.
 
-The labels are not taken on trust: ``tests/test_spmd_global.py`` runs every
+The labels are not taken on trust: ``tests/distributed/test_spmd_global.py`` runs every
 body on real gloo ranks and checks that a right body gives ``ref``'s values
 and a wrong one does not.
 

@@ -18,7 +18,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ..api import local_map
 
-__all__ = ["Model", "MODELS", "grad_tensors", "tp_block", "layer_region", "COL_GRAD_PLACEMENTS", "ROW_GRAD_PLACEMENTS"]
+__all__ = [
+    "Model",
+    "MODELS",
+    "grad_tensors",
+    "tp_block",
+    "layer_region",
+    "COL_GRAD_PLACEMENTS",
+    "ROW_GRAD_PLACEMENTS",
+    "local_map_of",
+    "seeded_randn",
+    "tp_weights",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +40,25 @@ class Model:
     mesh_ndim: int = 1
 
 
-def _rand(seed: int, *shape: int) -> torch.Tensor:
+def seeded_randn(seed: int, *shape: int) -> torch.Tensor:
+    """``randn(*shape)`` from its own generator: the same values on every rank."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g)
+
+
+def local_map_of(side: str) -> Callable:
+    """The ``local_map`` of one side of a comparison: ``"ours"`` or ``"torch"``.
+
+    (:func:`localmap_fx.testing.parallel.local_map_impl` is the Llama and MoE
+    models' switch, which also takes a callable.)
+    """
+    if side == "ours":
+        return local_map
+    if side == "torch":
+        from torch.distributed.tensor.experimental import local_map as torch_local_map
+
+        return torch_local_map
+    raise ValueError(f"impl must be 'ours' or 'torch', got {side!r}")
 
 
 def _dist(t: torch.Tensor, mesh, placements, grad=True) -> DTensor:
@@ -92,9 +119,9 @@ def tp_block(
 
 def _tp_mlp_build(mesh, seed=0, spmd_types=False):
     return {
-        "x": _dist(_rand(seed, 8, 16), mesh, [Replicate()]),
-        "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Shard(1)]),
-        "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Shard(0)]),
+        "x": _dist(seeded_randn(seed, 8, 16), mesh, [Replicate()]),
+        "w1": _dist(seeded_randn(seed + 1, 16, 32), mesh, [Shard(1)]),
+        "w2": _dist(seeded_randn(seed + 2, 32, 16), mesh, [Shard(0)]),
         "fns": tp_block(mesh, col_grads=None if spmd_types else COL_GRAD_PLACEMENTS, spmd_types=spmd_types),
         "mesh": mesh,
     }
@@ -131,11 +158,11 @@ def _attn_build(mesh, seed=0):
     _, proj = tp_block(mesh)  # its row-parallel region
     d = 4 * heads
     return {
-        "x": _dist(_rand(seed, 6, d), mesh, [Replicate()]),
-        "wq": _dist(_rand(seed + 1, d, d) / d, mesh, [Shard(1)]),
-        "wk": _dist(_rand(seed + 2, d, d) / d, mesh, [Shard(1)]),
-        "wv": _dist(_rand(seed + 3, d, d) / d, mesh, [Shard(1)]),
-        "wo": _dist(_rand(seed + 4, d, d) / d, mesh, [Shard(0)]),
+        "x": _dist(seeded_randn(seed, 6, d), mesh, [Replicate()]),
+        "wq": _dist(seeded_randn(seed + 1, d, d) / d, mesh, [Shard(1)]),
+        "wk": _dist(seeded_randn(seed + 2, d, d) / d, mesh, [Shard(1)]),
+        "wv": _dist(seeded_randn(seed + 3, d, d) / d, mesh, [Shard(1)]),
+        "wo": _dist(seeded_randn(seed + 4, d, d) / d, mesh, [Shard(0)]),
         "fns": (attn, proj),
         "mesh": mesh,
         "heads_local": heads // ws,
@@ -171,7 +198,7 @@ def _redistribute_build(mesh, seed=0):
     )
     # x arrives Shard(1) and w Shard(0): both are redistributed on entry.
     return _one_region_state(
-        fn, mesh, _dist(_rand(seed, 8, 8), mesh, [Shard(1)]), _dist(_rand(seed + 1, 8, 8), mesh, [Shard(0)])
+        fn, mesh, _dist(seeded_randn(seed, 8, 8), mesh, [Shard(1)]), _dist(seeded_randn(seed + 1, 8, 8), mesh, [Shard(0)])
     )
 
 
@@ -186,7 +213,7 @@ def _redistribute_step(s):
 def _partial_grad_build(mesh, seed=0):
     fn, _ = tp_block(mesh)  # its column-parallel region
     return _one_region_state(
-        fn, mesh, _dist(_rand(seed, 4, 8), mesh, [Replicate()]), _dist(_rand(seed + 1, 8, 8), mesh, [Shard(1)])
+        fn, mesh, _dist(seeded_randn(seed, 4, 8), mesh, [Replicate()]), _dist(seeded_randn(seed + 1, 8, 8), mesh, [Shard(1)])
     )
 
 
@@ -217,8 +244,8 @@ def layer_region(mesh: DeviceMesh, *, local_map_fn: Callable = local_map) -> Cal
 def _loop_build(mesh, seed=0, n_layers=3):
     fn = layer_region(mesh)
     return {
-        "x": _dist(_rand(seed, 8, 8), mesh, [Shard(0)]),
-        "ws": [_dist(_rand(seed + 1 + i, 8, 8) / 4, mesh, [Replicate()]) for i in range(n_layers)],
+        "x": _dist(seeded_randn(seed, 8, 8), mesh, [Shard(0)]),
+        "ws": [_dist(seeded_randn(seed + 1 + i, 8, 8) / 4, mesh, [Replicate()]) for i in range(n_layers)],
         "fns": (fn,),
         "mesh": mesh,
     }
@@ -256,9 +283,9 @@ def _mesh2d_build(mesh, seed=0):
         device_mesh=mesh,
     )
     return {
-        "x": _dist(_rand(seed, 8, 16), mesh, [Shard(0), Replicate()]),
-        "w1": _dist(_rand(seed + 1, 16, 32), mesh, [Replicate(), Shard(1)]),
-        "w2": _dist(_rand(seed + 2, 32, 16), mesh, [Replicate(), Shard(0)]),
+        "x": _dist(seeded_randn(seed, 8, 16), mesh, [Shard(0), Replicate()]),
+        "w1": _dist(seeded_randn(seed + 1, 16, 32), mesh, [Replicate(), Shard(1)]),
+        "w2": _dist(seeded_randn(seed + 2, 32, 16), mesh, [Replicate(), Shard(0)]),
         "fns": (col, row),
         "mesh": mesh,
     }
@@ -300,19 +327,20 @@ def grad_tensors(state: dict) -> dict[str, DTensor]:
 
 # --- nn.Module tensor-parallel stack (issue 21) --------------------------------
 
+def tp_weights(n_layers: int, d: int, hidden: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Full (unsharded) ``w1`` (d x hidden) and ``w2`` (hidden x d) of every
+    layer of a tensor-parallel stack, scaled to keep activations near 1."""
+    w1s = [seeded_randn(seed + 1 + 2 * i, d, hidden) / d**0.5 for i in range(n_layers)]
+    w2s = [seeded_randn(seed + 2 + 2 * i, hidden, d) / hidden**0.5 for i in range(n_layers)]
+    return w1s, w2s
+
+
 class TPBlock(torch.nn.Module):
     """``row(col(x, w1), w2).redistribute(mesh, [R]) + x`` with DTensor parameters."""
 
     def __init__(self, mesh, w1: torch.Tensor, w2: torch.Tensor, impl: str = "ours") -> None:
         super().__init__()
-        if impl == "torch":
-            from torch.distributed.tensor.experimental import local_map as torch_local_map
-
-            self.col, self.row = tp_block(mesh, local_map_fn=torch_local_map)
-        elif impl == "ours":
-            self.col, self.row = tp_block(mesh)
-        else:
-            raise ValueError(f"impl must be 'ours' or 'torch', got {impl!r}")
+        self.col, self.row = tp_block(mesh, local_map_fn=local_map_of(impl))
         self.mesh = mesh
         self.w1 = torch.nn.Parameter(distribute_tensor(w1, mesh, [Shard(1)]))
         self.w2 = torch.nn.Parameter(distribute_tensor(w2, mesh, [Shard(0)]))
@@ -327,11 +355,8 @@ class TPStack(torch.nn.Module):
     def __init__(self, mesh, n_layers: int, d: int = 128, hidden: int = 256, impl: str = "ours",
                  seed: int = 0) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            TPBlock(mesh, _rand(seed + 1 + 2 * i, d, hidden) / d**0.5,
-                    _rand(seed + 2 + 2 * i, hidden, d) / hidden**0.5, impl)
-            for i in range(n_layers)
-        )
+        w1s, w2s = tp_weights(n_layers, d, hidden, seed)
+        self.blocks = torch.nn.ModuleList(TPBlock(mesh, w1, w2, impl) for w1, w2 in zip(w1s, w2s))
 
     def forward(self, x: DTensor) -> DTensor:
         for block in self.blocks:
@@ -342,4 +367,4 @@ class TPStack(torch.nn.Module):
 
 def tp_stack_input(mesh, batch: int = 32, d: int = 128, seed: int = 0) -> DTensor:
     """The replicated input of :class:`TPStack` (requires grad)."""
-    return _dist(_rand(seed, batch, d), mesh, [Replicate()])
+    return _dist(seeded_randn(seed, batch, d), mesh, [Replicate()])

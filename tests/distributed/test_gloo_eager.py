@@ -29,6 +29,8 @@ import torch
 
 from localmap_fx.testing.dist import run_ranks
 
+pytestmark = pytest.mark.slow
+
 WORLD_SIZE = 2
 B, D, H = 4, 8, 16  # batch, model dim, hidden dim (H and D divisible by 2)
 RTOL, ATOL = 1e-5, 1e-5

@@ -131,6 +131,7 @@ def test_corpus_covers_the_issue():
         assert required in BODIES, required
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_label_is_proved_on_gloo(gloo_report, name):
     b = BODIES[name]
@@ -140,6 +141,7 @@ def test_label_is_proved_on_gloo(gloo_report, name):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_eager_verdict_matches_label(gloo_report, name):
     b, entry = BODIES[name], gloo_report[name]
@@ -178,6 +180,7 @@ def _dtensors(b: Body, mesh):
     return [distribute_tensor(x, mesh, list(p)) for x, (_, p) in zip(global_inputs(b), b.ins)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_verdict_matches_eager(gloo_report, name):
     ensure_fake_pg()

@@ -4,7 +4,7 @@ Where the fast path calls DTensor's autograd Functions directly, or skips
 pytree, the cases below take the other branches (Parameter DTensors, no_grad,
 negative Shard dims, mixed Partial specs, None specs, container outputs, meta
 outputs) and check that ours and torch's ``local_map`` agree on results,
-``grad_fn`` types, placements and errors.  ``tests/test_eager_parity.py``
+``grad_fn`` types, placements and errors.  ``tests/unit/test_eager_parity.py``
 covers the common cases.
 """
 
@@ -113,7 +113,7 @@ def test_no_grad_input_is_the_local_tensor():
         [Partial("max")],
     ],
     # out_placements=None for a tensor output: a documented call-time error
-    # (docs/user-guide.md, "Deviations from torch"), covered by tests/test_bad_inputs.py
+    # (docs/user-guide.md, "Deviations from torch"), covered by tests/compile/test_bad_inputs.py
     ids=["shard_neg1", "shard_neg2_tuple", "partial", "partial_max"],
 )
 def test_output_specs_taking_the_public_from_local(out_placements):

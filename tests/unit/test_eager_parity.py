@@ -714,7 +714,7 @@ SPECIAL: dict[str, Case] = {
         in_placements=([S0], [S0, S1]),
     ),
     # with device_mesh=m2 the argument on m1 is an error (a deviation, ruled:
-    # tests/test_bad_inputs.py, arg_on_other_mesh)
+    # tests/compile/test_bad_inputs.py, arg_on_other_mesh)
     "two_meshes_redistribute_second": _c(
         _two_meshes,
         lambda m: lambda a, b: (a * 2, b * 3),
@@ -911,7 +911,7 @@ def test_special(meshes, name):
 
 
 # A DTensor argument on a mesh of another shape than device_mesh (ruled: a
-# ValueError naming both meshes, tests/test_bad_inputs.py arg_on_other_mesh).
+# ValueError naming both meshes, tests/compile/test_bad_inputs.py arg_on_other_mesh).
 # torch unwraps it and fails later, inside the SPMD check, with another error.
 OTHER_MESH_ERRORS = {"device_mesh_2d_input_1d_spmd_body_error", "spmd_missing_mesh_dim"}
 

@@ -18,7 +18,11 @@ Forward values and gradients are compared with the math on plain tensors.
 
 from __future__ import annotations
 
+import pytest
+
 from localmap_fx.testing.dist import run_ranks
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-4
 

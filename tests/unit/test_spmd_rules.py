@@ -23,7 +23,7 @@ from localmap_fx.spmd.rules import RULES, axis_of_group, rule_for, rules_table_m
 from helpers import mesh_1d, mesh_2d
 
 R, I, V, P = spmd.R, spmd.I, spmd.V, spmd.P
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 
 
 def _axis(mesh, dim=0):

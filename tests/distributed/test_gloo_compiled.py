@@ -16,6 +16,8 @@ import torch
 
 from localmap_fx.testing.dist import run_ranks
 
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]
+
 MODELS_1D = ["tp_mlp", "attention", "redistribute", "partial_grad", "loop3", "spmd"]
 
 PARAMS = [

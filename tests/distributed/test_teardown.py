@@ -16,7 +16,7 @@ from localmap_fx.testing.teardown import unwaited_collectives, wait_all
 
 from helpers import mesh_1d
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_wait_all_drains_a_dropped_result():

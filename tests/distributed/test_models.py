@@ -300,17 +300,20 @@ def _all(results, key):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_eager_bitwise_equal_to_torch_local_map(eager, which):
     assert _all(eager, (which, "ours==torch")) == [True, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_eager_matches_single_device_reference(eager, which):
     errs = _all(eager, (which, "ref_err"))
     assert max(errs) <= FP32_TOL, errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_bf16_parameters(eager, which):
     assert _all(eager, (which, "bf16 ours==torch")) == [True, True]
@@ -319,6 +322,7 @@ def test_bf16_parameters(eager, which):
     assert max(errs) <= BF16_LOSS_RTOL, errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_eager(eager, which, mode):
@@ -326,11 +330,13 @@ def test_activation_checkpointing_eager(eager, which, mode):
     assert max(errs) <= FP32_TOL, errs
 
 
+@pytest.mark.slow
 def test_moe_all_gather_dispatch_equals_all_to_all(eager):
     errs = _all(eager, ("moe", "all_gather err"))
     assert max(errs) <= FP32_TOL, errs
 
 
+@pytest.mark.slow
 def test_moe_stats_are_global_counts(eager):
     # 4 x 8 tokens, top-2: 64 picks in all; each rank holds 4 x 4 tokens.
     assert _all(eager, ("moe", "tokens routed")) == [(64.0, 16), (64.0, 16)]
@@ -341,6 +347,7 @@ def test_moe_stats_are_global_counts(eager):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_mesh2d(mesh2d, which):
     assert _all(mesh2d, (which, "ours==torch")) == [True] * 4
@@ -364,17 +371,23 @@ _OUTLINE_BUG = (
 )
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_compiled_aot_eager_bitwise(compiled, which):
     assert _all(compiled, (which, "aot_eager bitwise")) == [True, True]
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_compiled_inductor_regions_inline(compiled, which):
     errs = _all(compiled, (which, "inductor inline err"))
     assert max(errs) <= INDUCTOR_RTOL, errs
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_compiled_inductor_default_backend(compiled, which):
     """The default backend (share_layers="auto") keeps bodies inline in these short stacks."""
@@ -382,6 +395,8 @@ def test_compiled_inductor_default_backend(compiled, which):
     assert max(errs) <= INDUCTOR_RTOL, errs
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("outline", ["inline", "outline"])
 def test_inductor_gradients_after_reduce_scatter(compiled, outline):
     """Regression (fixed on main by hoist_subgraph_views): column -> row -> Partial to Shard(1)."""
@@ -389,11 +404,15 @@ def test_inductor_gradients_after_reduce_scatter(compiled, outline):
     assert max(errs) <= INDUCTOR_RTOL, errs
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_inline_inductor_shared_norm_twice(compiled):
     errs = [max(r["minimal shared norm"]["inline"]) for r in compiled]
     assert max(errs) <= INDUCTOR_RTOL, errs
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=_OUTLINE_BUG)
 def test_outlined_inductor_shared_norm_twice(compiled):
     errs = [max(r["minimal shared norm"]["outline"]) for r in compiled]
@@ -413,6 +432,8 @@ def _rms(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_upstream_invoke_subgraph_twice_with_residual():
     """Pins torch 2.14.1: nested_compile_region body called twice with a residual, inductor:
     wrong gradient for the first input (aot_eager right).  When this fails, torch is fixed."""
@@ -431,6 +452,8 @@ def test_upstream_invoke_subgraph_twice_with_residual():
     assert rel["inductor"] > 1e-3, rel  # the upstream bug
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_compiled_activation_checkpointing(compiled, which, mode):
@@ -438,6 +461,8 @@ def test_compiled_activation_checkpointing(compiled, which, mode):
     assert max(errs) == 0.0, errs
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_three_sgd_steps_track_eager(compiled, which):
     for r in compiled:
@@ -446,6 +471,8 @@ def test_three_sgd_steps_track_eager(compiled, which):
         assert losses["eager"][2] < losses["eager"][0]  # it trains
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 @pytest.mark.parametrize("mode", ["mark_dynamic", "automatic"])
 def test_upstream_dynamic_sequence_length(compiled, which, mode):
@@ -462,6 +489,8 @@ _REGIONS = {
 _N_REGIONS = {"llama": 1 + 2 * 6 + 3, "moe": 1 + 2 * 2 + 2}
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("which", MODELS)
 def test_dump_shows_regions_and_collectives(compiled, which):
     from localmap_fx.debug import cli
@@ -504,6 +533,8 @@ def test_dump_shows_regions_and_collectives(compiled, which):
     "mode, inner, n_graphs",
     [("mark_dynamic", "aot_eager", 1), ("automatic", "aot_eager", 2), ("mark_dynamic", "inductor", 1)],
 )
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_dynamic_sequence_length(compiled, which, mode, inner, n_graphs):
     """Three lengths, one symbolic graph: aot_eager bitwise equal to eager, inductor within tolerance."""
     for errs, graphs in _all(compiled, (which, f"ours {mode} {inner}")):
@@ -575,6 +606,7 @@ def test_config_that_does_not_fit_the_mesh():
         Llama(LlamaConfig(), mesh_1d())
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_keep_region_bodies_inline():
     """Two MoE layers with a symbolic sequence length: the layers' bodies read
     the same shape-symbol arithmetic, so outline_regions keeps them inline

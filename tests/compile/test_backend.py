@@ -30,6 +30,7 @@ def test_entry_point_registers_backend_without_import():
     assert out.stdout.split() == ["localmap_fx.compiler", "localmap_fx_backend"]
 
 
+@pytest.mark.inductor
 def test_backend_by_name_compiles_with_inductor():
     m = MODELS["tp_mlp"]
     state = m.build(mesh_for(1), 0)

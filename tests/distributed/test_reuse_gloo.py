@@ -10,7 +10,11 @@ inductor.  Also checks that the compiled frames did share bodies.
 
 from __future__ import annotations
 
+import pytest
+
 from localmap_fx.testing.dist import run_ranks
+
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 
 
 def _compare(rank: int, world_size: int, device: str, reuse: bool = True, outline: bool = True) -> dict:

@@ -429,6 +429,7 @@ def drop_in_report():
     return run_ranks(_drop_in_models, world_size=2, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["attention", "attention_regional", "vision", "moe"])
 def test_public_shaped_model_graphs_and_numerics(drop_in_report, name):
     """backend="localmap_fx" (options={"inner": "aot_eager"}) gives upstream's

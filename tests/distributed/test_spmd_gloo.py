@@ -17,6 +17,8 @@ import pytest
 
 from localmap_fx.testing.dist import run_ranks
 
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]
+
 GLOO_CASES = [
     "ar_sum_matmul",
     "ar_sum_partial_then_relu",

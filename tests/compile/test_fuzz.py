@@ -5,7 +5,7 @@ reductions, views, multiple outputs), redistribute on/off and grad
 placements.  All ranks run in this process (``LocalTensorMode``).
 
 Profiles (``LOCALMAP_FX_FUZZ_PROFILE``): ``ci`` (default, 100 examples) and
-``long`` (500 examples): ``LOCALMAP_FX_FUZZ_PROFILE=long pytest tests/test_fuzz.py``.
+``long`` (500 examples): ``LOCALMAP_FX_FUZZ_PROFILE=long pytest tests/compile/test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -151,6 +152,7 @@ def _full(t):
     return t.full_tensor()
 
 
+@pytest.mark.slow
 @given(cases())
 def test_eager_compiled_and_math_agree(case):
     ndim, body, per_in, per_out, per_grad, redistribute, actual, with_grads, seed = case

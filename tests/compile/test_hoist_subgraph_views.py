@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 from expecttest import assert_expected_inline
@@ -25,6 +26,8 @@ from localmap_fx.passes.hoist_subgraph_views import (
 from localmap_fx.testing.dist import run_ranks
 
 from helpers import grads_eager_outline_inline, relative_errors
+
+pytestmark = pytest.mark.inductor
 
 
 @torch.compiler.nested_compile_region
@@ -74,6 +77,7 @@ def _inductor_with(pass_=None, record=None):
     return backend
 
 
+@pytest.mark.slow
 def test_upstream_inductor_overwrites_a_saved_view_of_a_subgraph_operand():
     """Pins torch 2.14.1 (no localmap_fx involved): w2's gradient is wrong."""
     errs = _rel_errors(torch.compile(_program, backend="inductor", fullgraph=True))
@@ -168,6 +172,7 @@ def outlined_row_after_column(rank, world_size, device):
     return {name: max(errs) for name, errs in relative_errors(grads).items()}
 
 
+@pytest.mark.slow
 def test_gloo_outlined_bodies_give_eager_gradients_under_inductor():
     for errs in run_ranks(outlined_row_after_column, world_size=2):
         assert errs["outline"] <= 1e-6 and errs["inline"] <= 1e-6, errs

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "localmap_fx")
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "localmap_fx")
 
 # Top first.  A module may import only modules of lower layers.
 LAYERS: list[tuple[str, ...]] = [
@@ -155,7 +155,7 @@ def _graph() -> dict[str, set[tuple[str, int]]]:
 
 def test_every_module_has_a_layer():
     missing = sorted(set(_modules()) - set(RANK))
-    assert not missing, f"give these modules a layer in tests/test_layering.py: {missing}"
+    assert not missing, f"give these modules a layer in tests/unit/test_layering.py: {missing}"
 
 
 def test_imports_only_go_down():

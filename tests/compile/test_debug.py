@@ -423,6 +423,7 @@ def test_nothing_dumped_or_wrapped_when_off(monkeypatch):
     assert made == [None]
 
 
+@pytest.mark.inductor
 def test_inductor_pointer(tmp_path):
     _compile("partial_grad", inner="inductor", dump_dir=str(tmp_path))
     d = _only_frame(tmp_path)
@@ -511,7 +512,7 @@ def test_torch_logs_regions_artifact():
     )
     env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, "TORCH_TRACE")}
     env["TORCH_LOGS"] = "localmap_fx_regions"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[__localmap_fx_regions]" in out.stderr

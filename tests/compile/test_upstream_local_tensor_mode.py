@@ -5,7 +5,7 @@ Found when ``test_fuzz`` ran after ``test_debug`` (wrong ``x.grad`` for a
 ``Shard(0)`` input, with torch's own ``local_map`` too).  The script below uses
 torch only; it runs in fresh processes so this suite's state cannot hide or
 cause it.  In the suite's full order the fuzz tier passes; ``pytest
-tests/test_debug.py tests/test_fuzz.py`` fails.  Running the fuzz tier first
+tests/compile/test_debug.py tests/compile/test_fuzz.py`` fails.  Running the fuzz tier first
 instead breaks a later inductor compile (``Cannot access data pointer of
 Tensor``), so the order is left alone, and gradient claims are also checked
 on gloo ranks (``test_gloo_grads.py``).
@@ -16,6 +16,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -51,6 +53,7 @@ def _grad_error(mode: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_local_tensor_mode_gradient_after_a_compiled_backward():
     assert _grad_error("fresh") == 0.0
     # torch 2.14.1: wrong (d/dx sum(x^2) = 2x is off by O(1))

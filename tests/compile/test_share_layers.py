@@ -316,6 +316,8 @@ def test_auto_policy_shares_from_the_threshold_on():
             assert decide(plan, True, dtensor_borders=("a",)).shares
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_inductor_generates_kernels_once_per_distinct_layer():
     from torch._inductor import metrics
 
@@ -469,6 +471,8 @@ def _gloo_shared_vs_eager(rank, world_size, device):
     return report
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_shared_layers_on_gloo_equal_eager():
     from localmap_fx.testing.dist import run_ranks
 

@@ -72,6 +72,7 @@ def _uneven(rank: int, world_size: int, device: str) -> dict:
     pytest.param("nccl", "cuda", id="nccl-cuda", marks=pytest.mark.skipif(
         torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")),
 ])
+@pytest.mark.slow
 def test_uneven_shard_eager_and_compiled(backend, device):
     results = run_ranks(_uneven, world_size=2, backend=backend, device=device, timeout=300)
     full = torch.arange(9 * 4, dtype=torch.float32).reshape(9, 4) / 10

@@ -18,6 +18,8 @@ pytest.importorskip("torch.distributed")
 # repository root on sys.path (pythonpath in pyproject.toml).
 from benchmarks import run as bench
 
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
 
 def _synthetic_compiled() -> dict:
     pair = {
