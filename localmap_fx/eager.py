@@ -25,7 +25,7 @@ Note: [Eager fast path]
       invalid spec that must raise) the public method is called instead.
 
     Results, autograd graphs (same ``grad_fn`` types) and errors are therefore
-    those of torch's ``local_map``; ``tests/test_eager_parity.py`` checks it.
+    those of torch's ``local_map``; ``tests/unit/test_eager_parity.py`` checks it.
     Specs are read when ``local_map`` is applied: changing the lists passed
     as ``in_placements``/``out_placements`` afterwards is not supported.
 

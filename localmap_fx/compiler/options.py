@@ -90,7 +90,7 @@ class BackendOptions:
             warnings.warn(
                 "localmap_fx.backend(inner='inductor', share_layers=False, outline=True): "
                 "torch 2.14.1's Inductor can give wrong gradients for a region body shared "
-                "by several calls (pinned by tests/test_models.py::"
+                "by several calls (pinned by tests/distributed/test_models.py::"
                 "test_upstream_invoke_subgraph_twice_with_residual). Pass outline=False, or "
                 "keep share_layers='auto'/True, for gradients you can trust.",
                 UserWarning,

@@ -9,7 +9,7 @@ Note: [Why outputs that alias subgraph inputs are hoisted]
     ``invoke_subgraph`` output as a fresh buffer, so once the caller's last
     direct use of ``h`` is gone it reuses ``h``'s storage for a later buffer
     and the saved view is overwritten before the backward reads it: the
-    weight gradient is silently wrong (``tests/test_hoist_subgraph_views.py``
+    weight gradient is silently wrong (``tests/compile/test_hoist_subgraph_views.py``
     pins this on plain ``nested_compile_region`` code, without localmap_fx).
     Re-creating the view chain in the caller makes the alias visible to
     Inductor's buffer planning; views cost nothing, and the subgraph's own

@@ -119,7 +119,7 @@ def inline_nested_shared_bodies(gm: fx.GraphModule) -> PassResult:
     ``outline_regions`` runs it first, as it keeps those regions inline: an
     ``invoke_subgraph`` inside a checkpoint body gave wrong gradients with
     inductor (torch 2.14.1, 2 gloo ranks; aot_eager was right), see
-    tests/test_reuse_gloo.py.
+    tests/distributed/test_reuse_gloo.py.
     """
     return _inline(gm, nested_only=True)
 

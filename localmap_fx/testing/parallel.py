@@ -19,7 +19,7 @@ Note: [Regions built once]
     Every ``local_map`` is built when the model is constructed and kept on
     the model; ``forward`` only calls them, as torchtitan-style code does
     with its parallel styles.  (``local_map(...)`` built inside ``forward``
-    is a separate pattern with its own tests: ``tests/test_capture_patterns.py``.)
+    is a separate pattern with its own tests: ``tests/compile/test_capture_patterns.py``.)
 """
 
 from __future__ import annotations

@@ -365,6 +365,8 @@ def _gloo_regional(rank, world_size, device):
     return report
 
 
+@pytest.mark.inductor  # the ranks compile with Inductor too
+@pytest.mark.slow
 def test_regional_stack_on_gloo_equals_eager_bitwise_under_aot_eager():
     from localmap_fx.testing.dist import run_ranks
 
