@@ -119,34 +119,42 @@ def test_share_layers_false_compiles_a_marked_stack_as_one_graph():
     assert (len(rec.aot["forward"]), len(rec.aot["backward"])) == (1, 1)
 
 
-def _per_rank(t):
-    t = t.to_local()
-    return [t._local_tensors[r] for r in range(WORLD_SIZE)]
+def _tree(loss, model, x):
+    return [loss, x.grad, *(p.grad for p in model.parameters())]
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_local_tensor_mode_numerics_equal_eager(inner):
-    from localmap_fx.testing.models import TPStack
-
+def test_fake_pg_marked_equals_the_unmarked_stack_shared(inner):
+    # On the fake group a collective returns its input, so a split frame is not
+    # eager there (the plain borders' Replicate -> Partial gradient division is
+    # undone by no all_reduce; share_layers=True unmarked differs the same way).
+    # What the fake group checks: marking gives the program found layers give.
+    # Against eager with real collectives: the gloo test below.
     results = []
-    with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_1d()
-        for compiled in (False, True):
-            torch._dynamo.reset()
-            model = TPStack(mesh, 3, d=16, hidden=32, marked=True)
-            for p in model.parameters():
-                p.data = rank_dtensor(p.full_tensor(), mesh, p.placements, requires_grad=False)
-            x = rank_dtensor(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), mesh, [Replicate()])
-            fn = torch.compile(model, backend=localmap_fx.backend(inner), fullgraph=True) if compiled else model
-            loss = fn(x)
-            loss.backward()
-            results.append([loss, x.grad, *(p.grad for p in model.parameters())])
+    for marked in (False, True):
+        torch._dynamo.reset()
+        model, x = _stack(mesh_1d(), 3, marked=marked)
+        be = localmap_fx.backend(inner, share_layers=True)
+        loss = torch.compile(model, backend=be, fullgraph=True)(x)
+        loss.backward()
+        results.append([t.to_local() for t in _tree(loss, model, x)])
     for a, b in zip(*results):
-        for u, v in zip(_per_rank(a), _per_rank(b)):
-            if inner == "aot_eager":
-                assert torch.equal(u, v)
-            else:
-                torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
+        if inner == "aot_eager":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_local_tensor_mode_fails_in_dynamo_upstream():
+    """Pins torch 2.14.1: Dynamo cannot trace a marked block on LocalTensors
+    (``invoke_subgraph`` has no LocalTensor rule), before any backend runs; so
+    marked blocks are checked on the fake group and on gloo, not here."""
+    with LocalTensorMode(WORLD_SIZE):
+        torch._dynamo.reset()
+        model, _ = _stack(mesh_1d(), 2)
+        x = rank_dtensor(torch.randn(8, 16), mesh_1d(), [Replicate()])
+        with pytest.raises(Exception, match="Expected FakeTensor after unwrapping, got .*LocalTensor"):
+            torch.compile(model, backend=localmap_fx.backend("aot_eager"), fullgraph=True)(x)
 
 
 def _gloo_marked_vs_eager(rank, world_size, device):
