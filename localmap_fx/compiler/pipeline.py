@@ -115,7 +115,6 @@ def _plan_layers(f: FrameState) -> None:
     from ..layer_sharing.decide import decide, layer_cost
     from ..layer_sharing.find import find_layer_spans
     from ..layer_sharing.plan import LayerPlan
-
     from ..passes.inline_marked_blocks import META_MARKED
 
     share = f.opts.share_layers

@@ -53,8 +53,8 @@ import torch.fx as fx
 
 from ..analysis import Effects, copy_nodes, find_effects, span_io, structural_key
 from ..graph_utils import fetch_attr, is_symbolic, is_to_local, node_value
-from ..region import find_regions
 from ..passes.inline_marked_blocks import marked_calls_of
+from ..region import find_regions
 from .plan import LayerPlan, LayerSpan, compute_nodes
 
 __all__ = ["find_layer_spans", "span_key"]

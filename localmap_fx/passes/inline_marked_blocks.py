@@ -30,6 +30,7 @@ block's mark.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -88,7 +89,7 @@ def inline_marked_blocks(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, (gm,) if changed else ())
 
 
-def marked_calls_of(nodes: list[fx.Node] | tuple[fx.Node, ...]) -> dict[MarkedCall, list[int]]:
+def marked_calls_of(nodes: Sequence[fx.Node]) -> dict[MarkedCall, list[int]]:
     """Positions in ``nodes`` of each marked call's nodes, in program order of first node."""
     out: dict[MarkedCall, list[int]] = {}
     for i, n in enumerate(nodes):
