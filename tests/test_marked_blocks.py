@@ -15,7 +15,7 @@ import expecttest
 import pytest
 import torch
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import localmap_fx
 from localmap_fx.layer_sharing.decide import LayerCost, Reason, decide
@@ -191,3 +191,25 @@ def test_marked_stack_on_gloo_equals_eager():
     bad = {(r, k): v for r, rep in enumerate(results) for k, v in rep.items() if not v[0]}
     assert not bad, bad
     assert len(results[0]) == 2 * (1 + 1 + 2 * 4)
+
+
+@torch.compiler.nested_compile_region
+def _to_shard(x):
+    return (x * 2).redistribute(x.device_mesh, [Shard(0)])
+
+
+def _four_calls(x):
+    return _to_shard(_to_shard(_to_shard(_to_shard(x)))).sum()
+
+
+def test_a_call_stamped_for_other_placements_is_refused():
+    """Pins torch 2.14.1: Dynamo stamps the body traced on a Replicate input out
+    for the Shard(0) output of the first call (Note: [A stamped call's placements]);
+    the backend refuses instead of running a body traced for other placements."""
+    x = distribute_tensor(torch.randn(8, 4), mesh_1d(), [Replicate()]).requires_grad_()
+    torch._dynamo.reset()
+    rec = Recorder("aot_eager")
+    with pytest.raises(Exception, match=r"gets .* as a DTensor \(Shard\(dim=0\),\).*traced for \(Replicate\(\),\)"):
+        torch.compile(_four_calls, backend=rec.backend, fullgraph=True)(x)
+    calls = [n for n in rec.stage("captured").graph.nodes if n.target is INVOKE]
+    assert [n.args[0].target for n in calls] == ["subgraph_0"] * 4

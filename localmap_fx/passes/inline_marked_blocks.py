@@ -19,6 +19,19 @@ and compiles one block key once::
     c1 = invoke_subgraph(sub_1, "subgraph_0", x1, ...)     ...
     x2 = c1[0]
 
+Note: [A stamped call's placements]
+    Torch 2.14.1's Dynamo stamps out a call when its operands' tensor
+    metadata matches the traced one, without the DTensor placements: a block
+    traced on a Replicate input is stamped for the Shard(0) output of its
+    previous call, and a stamped call's outputs are plain FakeTensors to
+    Dynamo (a DTensor method on them, e.g. ``redistribute``, fails in
+    Dynamo).  The stamped body was traced for other placements; once inline
+    its DTensor ops dispatch on the real placements, but what the trace fixed
+    in Python (a region's ``to_local``, local shapes) would be silently
+    wrong.  So each call's DTensor operands (whose metadata is right once the
+    calls before it are inline) must have the placements, global shape and
+    dtype its body was traced with, else :class:`MarkedBlockError`.
+
 No ``invoke_subgraph`` of a marked block reaches AOTAutograd or Inductor, so
 neither the DTensor failure above nor Inductor's buffer reuse across a
 subgraph's views (Note in :mod:`.hoist_subgraph_views`) can occur.  Calls
@@ -35,12 +48,13 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..graph_utils import subgraph_attr
+from ..graph_utils import fetch_attr, node_value, subgraph_attr
 from ..region import META_REGION, role_of
 from . import PassResult
 from .inline_shared_bodies import splice_subgraph_call
 
-__all__ = ["META_MARKED", "MarkedCall", "find_marked_calls", "inline_marked_blocks", "marked_calls_of"]
+__all__ = ["META_MARKED", "MarkedBlockError", "MarkedCall", "find_marked_calls", "inline_marked_blocks",
+           "marked_calls_of"]
 
 # node.meta key: the MarkedCall a node was inlined from
 META_MARKED = "localmap_fx.marked"
@@ -52,6 +66,34 @@ class MarkedCall:
 
     block: str
     index: int
+
+
+class MarkedBlockError(RuntimeError):
+    """A marked block's call was stamped out for DTensors it was not traced with."""
+
+
+def _dtensor_meta(v: object) -> tuple | None:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(v, DTensor):
+        return None
+    return tuple(v.placements), tuple(v.shape), v.dtype
+
+
+def _check_operands(gm: fx.GraphModule, call: fx.Node) -> None:
+    """Note: [A stamped call's placements]."""
+    body = fetch_attr(gm, subgraph_attr(call).target)
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    for ph, arg in zip(placeholders, call.args[2:]):
+        want = _dtensor_meta(node_value(ph))
+        got = _dtensor_meta(node_value(arg)) if isinstance(arg, fx.Node) else None
+        if want is not None and got is not None and got != want:
+            raise MarkedBlockError(
+                f"nested_compile_region: call {call.name} of {subgraph_attr(call).target} gets {arg.name} as a "
+                f"DTensor {got[0]} of shape {list(got[1])} ({got[2]}), but Dynamo stamped out the body it traced "
+                f"for {want[0]} of shape {list(want[1])} ({want[2]}); torch 2.14.1's Dynamo does not tell such "
+                "calls apart.  Give the block the same placements on every call, or do not mark it."
+            )
 
 
 def find_marked_calls(gm: fx.GraphModule) -> list[fx.Node]:
@@ -78,6 +120,7 @@ def inline_marked_blocks(gm: fx.GraphModule) -> PassResult:
                 block = str(subgraph_attr(call).target)
                 mark = MarkedCall(block, counts.get(block, 0))
                 counts[block] = mark.index + 1
+            _check_operands(gm, call)
             before = set(gm.graph.nodes)
             splice_subgraph_call(gm, call)
             for n in gm.graph.nodes:
