@@ -85,8 +85,9 @@ def _check_operands(gm: fx.GraphModule, call: fx.Node) -> None:
     body = fetch_attr(gm, subgraph_attr(call).target)
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     for ph, arg in zip(placeholders, call.args[2:]):
-        want = _dtensor_meta(node_value(ph))
-        got = _dtensor_meta(node_value(arg)) if isinstance(arg, fx.Node) else None
+        if not isinstance(arg, fx.Node):
+            continue
+        want, got = _dtensor_meta(node_value(ph)), _dtensor_meta(node_value(arg))
         if want is not None and got is not None and got != want:
             raise MarkedBlockError(
                 f"nested_compile_region: call {call.name} of {subgraph_attr(call).target} gets {arg.name} as a "
