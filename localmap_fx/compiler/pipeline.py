@@ -46,7 +46,7 @@ import torch.fx as fx
 from ..lowering import lower_boundaries as _lower_boundaries
 from ..passes import Pass, PassResult, run_passes
 from ..passes.fuse_boundaries import fuse_boundaries
-from ..passes.inline_marked_blocks import inline_marked_blocks
+from ..passes.inline_marked_blocks import find_marked_calls, inline_marked_blocks
 from ..passes.inline_shared_bodies import inline_shared_bodies
 from ..passes.outline_regions import outline_regions
 from .inner import CompileOne, inner_compiler
@@ -181,8 +181,9 @@ def _pass(name: str, p: Callable[[BackendOptions], Pass]) -> Callable[[FrameStat
 STAGES: tuple[Stage, ...] = (
     Stage("captured", "the graph Dynamo captured", "always",
           lambda f: True, lambda f: f.observer.stage("captured", f.gm)),
-    Stage("inline_marked_blocks", "blocks marked with nested_compile_region put inline as layers", "always",
-          lambda f: True, _pass("inline_marked_blocks", lambda o: inline_marked_blocks)),
+    Stage("inline_marked_blocks", "blocks marked with nested_compile_region put inline as layers",
+          "the graph calls a marked block",
+          lambda f: bool(find_marked_calls(f.gm)), _pass("inline_marked_blocks", lambda o: inline_marked_blocks)),
     Stage("outline_regions", "region bodies become shared invoke_subgraph calls", "share_layers=False, outline=True",
           lambda f: _outlines(f.opts), _pass("outline_regions", lambda o: outline_regions)),
     Stage("inline_shared_bodies", "bodies capture shared are put back inline", "otherwise",
