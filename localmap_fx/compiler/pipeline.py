@@ -8,6 +8,8 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
 ``PassResult`` pass run by :func:`localmap_fx.passes.run_passes`::
 
     captured             the Dynamo graph: DTensor level, regions annotated (capture/)
+    inline_marked_blocks the calls of blocks marked with nested_compile_region are
+                         put inline, each node recording its call (the layers)
     bodies               outline_regions        share_layers=False and outline=True
                          inline_shared_bodies   otherwise (bodies stay inline)
     lower_boundaries     explicit to_local/from_local, redistribute plans, grad
@@ -44,6 +46,7 @@ import torch.fx as fx
 from ..lowering import lower_boundaries as _lower_boundaries
 from ..passes import Pass, PassResult, run_passes
 from ..passes.fuse_boundaries import fuse_boundaries
+from ..passes.inline_marked_blocks import find_marked_calls, inline_marked_blocks
 from ..passes.inline_shared_bodies import inline_shared_bodies
 from ..passes.outline_regions import outline_regions
 from .inner import CompileOne, inner_compiler
@@ -112,20 +115,22 @@ def _plan_layers(f: FrameState) -> None:
     from ..layer_sharing.decide import decide, layer_cost
     from ..layer_sharing.find import find_layer_spans
     from ..layer_sharing.plan import LayerPlan
+    from ..passes.inline_marked_blocks import META_MARKED
 
     share = f.opts.share_layers
+    marked = any(META_MARKED in n.meta for n in f.gm.graph.nodes)
     try:
         plan = find_layer_spans(f.gm)
     except KeyError as e:
         # A safety net, no known case: the graph is valid, so compile it whole and say why.
         plan = LayerPlan(0, 0, (), f"regions not recoverable ({e!r})")
     # Note: [When "auto" shares layers]
-    cost = layer_cost(plan) if f.opts.inner == "inductor" and share == "auto" else None
+    cost = layer_cost(plan) if f.opts.inner == "inductor" and share == "auto" and not marked else None
     # Note: [A DTensor at a layer border costs a collective]
     borders = find_plain_borders(f.gm, plan) if plan.shared else None
     # Note: [No DTensor at an automatic border]
     crossing = dtensors_at_borders(plan, borders) if share == "auto" and borders is not None else ()
-    f.plan, f.borders, f.decision = plan, borders, decide(plan, share, cost, crossing)
+    f.plan, f.borders, f.decision = plan, borders, decide(plan, share, cost, crossing, marked)
 
 
 def _plain_borders(f: FrameState) -> None:
@@ -176,6 +181,9 @@ def _pass(name: str, p: Callable[[BackendOptions], Pass]) -> Callable[[FrameStat
 STAGES: tuple[Stage, ...] = (
     Stage("captured", "the graph Dynamo captured", "always",
           lambda f: True, lambda f: f.observer.stage("captured", f.gm)),
+    Stage("inline_marked_blocks", "blocks marked with nested_compile_region put inline as layers",
+          "the graph calls a marked block",
+          lambda f: bool(find_marked_calls(f.gm)), _pass("inline_marked_blocks", lambda o: inline_marked_blocks)),
     Stage("outline_regions", "region bodies become shared invoke_subgraph calls", "share_layers=False, outline=True",
           lambda f: _outlines(f.opts), _pass("outline_regions", lambda o: outline_regions)),
     Stage("inline_shared_bodies", "bodies capture shared are put back inline", "otherwise",

@@ -87,6 +87,7 @@ class Reason(enum.Enum):
     FEW_LAYERS = "few_layers"  # "auto": fewer than AUTO_MIN_LAYERS layers
     DTENSOR_AT_BORDER = "dtensor_at_border"  # "auto": Note: [No DTensor at an automatic border]
     NOT_WORTH_IT = "not_worth_it"  # "auto" under inductor: Note: [When "auto" shares layers]
+    MARKED = "marked"  # split: the user marked the block (Note: [Marked blocks are shared])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Decision:
 
     @property
     def shares(self) -> bool:
-        return self.reason is Reason.SHARE
+        return self.reason in (Reason.SHARE, Reason.MARKED)
 
     @property
     def why_whole(self) -> str | None:
@@ -133,13 +134,24 @@ class LayerCost:
 
 
 def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = None,
-           dtensor_borders: Sequence[str] = ()) -> Decision:
+           dtensor_borders: Sequence[str] = (), marked: bool = False) -> Decision:
     """Split ``plan`` into shared pieces, or keep the graph whole, and why.
 
     ``cost`` (given under inductor) makes "auto" weigh run time too (Note:
     [When "auto" shares layers]); ``dtensor_borders`` names DTensors that
     would still cross layer borders after the plain borders (Note: [No
-    DTensor at an automatic border]).
+    DTensor at an automatic border]); ``marked``: the layers are blocks the
+    user marked (Note: [Marked blocks are shared]).
+
+    Note: [Marked blocks are shared]
+        ``nested_compile_region`` on a block is the user asking for it to
+        be compiled once, and Dynamo already traced it once; one graph
+        would give back the compile time the mark bought.  So a marked
+        frame is split whenever two layers share a key, under "auto" as
+        under True; only ``share_layers=False`` keeps it whole.  A DTensor
+        still crossing the border is named in the text: those layers run
+        through AOTAutograd's runtime (Note: [No DTensor at an automatic
+        border]).
     """
     if share_layers is False:
         return Decision(Reason.OFF, "share_layers=False")
@@ -147,6 +159,12 @@ def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = N
         return no_shared_layer(plan)
     # layers found (the last one may be its own piece: Note: [Where layers are cut])
     most = len(plan.spans)
+    if marked:
+        crossing = (f"; DTensors cross the layer borders ({', '.join(dtensor_borders[:3])}"
+                    f"{', ...' if len(dtensor_borders) > 3 else ''}): those layers use AOTAutograd's runtime"
+                    if dtensor_borders else "")
+        return Decision(Reason.MARKED, f"marked by the user (nested_compile_region): {len(plan.shared)} of {most} "
+                                       f"layers shared{crossing}")
     if share_layers == "auto":
         if most < AUTO_MIN_LAYERS:
             return Decision(Reason.FEW_LAYERS, f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "

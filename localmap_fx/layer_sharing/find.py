@@ -31,6 +31,16 @@ Note: [When a layer is not shared]
     mesh, shapes, dtypes, ``requires_grad``, code), or when shapes are
     symbolic.  Graph breaks need no rule: each Dynamo graph is split on its
     own, so a span never crosses one.
+
+Note: [Marked blocks are the layers]
+    When the user marked a block with ``torch.compiler.nested_compile_region``
+    (inlined by :mod:`localmap_fx.passes.inline_marked_blocks`, each node
+    recording its call), the calls of the block called most often are the
+    layers: layer ``i`` starts at the first node of call ``i``, in place of
+    the period search over regions.  The rest is as for found layers
+    (stop at the next layer's start, keys, trimming, weight hoisting, cut
+    shifting), so the glue between two calls travels with the layer before
+    it and the glue after the last call with the tail piece.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import torch.fx as fx
 
 from ..analysis import Effects, copy_nodes, find_effects, span_io, structural_key
 from ..graph_utils import fetch_attr, is_symbolic, is_to_local, node_value
+from ..passes.inline_marked_blocks import marked_calls_of
 from ..region import find_regions
 from .plan import LayerPlan, LayerSpan, compute_nodes
 
@@ -171,14 +182,23 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     # layers are runs of the root graph; regions inside a nested subgraph
     # (a checkpointed block) travel with the higher-order op that holds them
     regions = [r for r in find_regions(gm) if not r.scope]
+    nodes = compute_nodes(gm)
+    pos = {n: i for i, n in enumerate(nodes)}
+    marked = _marked_starts(nodes)
+    if marked is not None:
+        # Note: [Marked blocks are the layers]
+        starts = marked
+        inside = [r for r in regions
+                  if starts[0] <= min(pos[n] for n in (*r.enter_nodes, *r.body_nodes, *r.exit_nodes)) < starts[1]]
+        s, p = (regions.index(inside[0]), len(inside)) if inside else (0, 0)
+        stops = starts[1:] + [min(len(nodes), starts[-1] + (starts[-1] - starts[-2]))]
+        return _plan_from_bounds(gm, nodes, list(zip(starts, stops)), s, p)
     if len(regions) < 2:
         return LayerPlan(0, 0, (), "fewer than 2 local_map regions in the root graph")
     best = _best_period([_region_kind(r.spec) for r in regions])
     if best is None:
         return LayerPlan(0, 0, (), "the sequence of regions does not repeat")
     s, p, k = best
-    nodes = compute_nodes(gm)
-    pos = {n: i for i, n in enumerate(nodes)}
 
     def first_node(r) -> int:
         cand = r.enter_nodes + r.body_nodes + r.exit_nodes + ([r.node] if r.outlined else [])
@@ -190,7 +210,25 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
 
     starts = [first_node(regions[s + i * p]) for i in range(k)]
     stops = starts[1:] + [min(len(nodes), starts[-1] + (starts[-1] - starts[-2]))]
-    bounds = list(zip(starts, stops))
+    return _plan_from_bounds(gm, nodes, list(zip(starts, stops)), s, p)
+
+
+def _marked_starts(nodes: Sequence[fx.Node]) -> list[int] | None:
+    """First node of each call of the marked block called most often (>= 2 calls), else None."""
+    calls = marked_calls_of(nodes)
+    per_block: dict[str, list[int]] = {}
+    for mark, positions in calls.items():
+        per_block.setdefault(mark.block, []).append(positions[0])
+    if not per_block:
+        return None
+    block = max(per_block, key=lambda b: len(per_block[b]))
+    starts = sorted(per_block[block])
+    return starts if len(starts) >= 2 else None
+
+
+def _plan_from_bounds(gm: fx.GraphModule, nodes: list[fx.Node], bounds: list[tuple[int, int]],
+                      s: int, p: int) -> LayerPlan:
+    """Keys, trimming, weight hoisting and cut shifting of the layers ``bounds``."""
     cache: dict = {}  # effects per key: each distinct span is run once
     keys = [span_key(gm, nodes[a:b], cache) for a, b in bounds]
     bounds, keys = _align_to_majority(gm, nodes, bounds, keys, cache)

@@ -349,14 +349,24 @@ class TPBlock(torch.nn.Module):
         return self.row(self.col(x, self.w1), self.w2).redistribute(self.mesh, [Replicate()]) + x
 
 
+class MarkedTPBlock(TPBlock):
+    """A :class:`TPBlock` whose ``forward`` is marked with ``torch.compiler.nested_compile_region``."""
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: DTensor) -> DTensor:
+        return super().forward(x)
+
+
 class TPStack(torch.nn.Module):
-    """``n_layers`` :class:`TPBlock`\\ s; ``forward(x)`` returns the loss ``(h * h).sum()``."""
+    """``n_layers`` :class:`TPBlock`\\ s (:class:`MarkedTPBlock`\\ s with ``marked``);
+    ``forward(x)`` returns the loss ``(h * h).sum()``."""
 
     def __init__(self, mesh, n_layers: int, d: int = 128, hidden: int = 256, impl: str = "ours",
-                 seed: int = 0) -> None:
+                 seed: int = 0, marked: bool = False) -> None:
         super().__init__()
+        block = MarkedTPBlock if marked else TPBlock
         w1s, w2s = tp_weights(n_layers, d, hidden, seed)
-        self.blocks = torch.nn.ModuleList(TPBlock(mesh, w1, w2, impl) for w1, w2 in zip(w1s, w2s))
+        self.blocks = torch.nn.ModuleList(block(mesh, w1, w2, impl) for w1, w2 in zip(w1s, w2s))
 
     def forward(self, x: DTensor) -> DTensor:
         for block in self.blocks:

@@ -1,0 +1,228 @@
+"""Marked blocks (issue 27): ``nested_compile_region`` on the block, one ``torch.compile``.
+
+    python -m benchmarks.marked_bench                    # 16 and 64 layers, cold + steady
+    python -m benchmarks.marked_bench --depths 16 --only cold
+    python -m benchmarks.marked_bench --quick            # every code path once; numbers mean nothing
+
+Model: :class:`localmap_fx.testing.models.TPStack` (``nn.Module`` TP blocks,
+DTensor parameters, col + row regions, residual).  Columns, interleaved in
+one run (the order flips between depths):
+
+* ``marked``: ``TPStack(marked=True)`` (``MarkedTPBlock.forward`` under
+  ``torch.compiler.nested_compile_region``), ``torch.compile(model,
+  backend="localmap_fx")`` with the default options;
+* ``upstream_whole`` / ``upstream_regional`` / ``ours_whole``: as in
+  :mod:`benchmarks.depth_bench` (whose ``build`` makes them).
+
+Cold compile: the first forward + backward in one fresh process on a fake
+process group of 2, every cache cold (:mod:`benchmarks.compile_time`'s
+phases); wall and process CPU seconds (the machine is shared: CPU seconds are
+the steadier figure).  Steady step: 2 gloo ranks, B 32, D 128, H 256, paired
+interleaved rounds (:mod:`benchmarks.timing`).  Targets (issue 27): cold
+``marked / upstream_regional <= 1.30`` at 64 layers, step
+``marked / upstream_whole <= 1.00``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+__all__ = ["COLD", "STEADY", "build", "cold_worker", "steady_ranks", "run", "main"]
+
+COLD = ("marked", "upstream_regional", "ours_whole")
+STEADY = ("marked", "upstream_whole", "ours_whole")
+SHAPE = {"batch": 32, "d": 128, "hidden": 256}
+
+
+def build(mesh, column: str, n: int, batch: int, d: int, hidden: int):
+    """(step, zero, leaves) of one column; ``step()`` runs forward + backward and returns the loss."""
+    if column != "marked":
+        from .depth_bench import build as depth_build
+
+        return depth_build(mesh, "module", column, n, batch, d, hidden)
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    model = TPStack(mesh, n, d=d, hidden=hidden, marked=True)
+    x = tp_stack_input(mesh, batch, d)
+    fn = torch.compile(model, backend="localmap_fx")
+    leaves = [x, *model.parameters()]
+
+    def step():
+        loss = fn(x)
+        loss.backward()
+        return loss
+
+    def zero():
+        for t in leaves:
+            t.grad = None
+
+    return step, zero, leaves
+
+
+def _children_cpu() -> float:
+    # C++ compiles run in child processes: their CPU is not the process's own
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _cold(mesh, column: str, n: int) -> dict:
+    import torch._dynamo.utils as dutils
+    from torch._inductor import config as iconfig
+    from torch._inductor import metrics
+    from torch._inductor.utils import fresh_cache
+
+    from .compile_time import _phases
+
+    torch._dynamo.reset()
+    step, _, _ = build(mesh, column, n, batch=16, d=32, hidden=64)
+    stats = dutils.counters["stats"]
+    before = dict(stats)
+    with fresh_cache(), iconfig.patch(force_disable_caches=True):
+        metrics.reset()
+        dutils.compilation_time_metrics.clear()
+        k0, c0, t0 = _children_cpu(), time.process_time(), time.perf_counter()
+        step()
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
+        children = _children_cpu() - k0
+        phases = _phases(dutils.compilation_time_metrics)
+        kernels = metrics.generated_kernel_count
+    graphs = stats["unique_graphs"] - before.get("unique_graphs", 0)
+    torch._dynamo.reset()
+    return {"total_s": total, "cpu_s": cpu, "children_cpu_s": children, **phases, "kernels": kernels, "graphs": graphs}
+
+
+def cold_worker(depths: list[int], repeats: int) -> dict:
+    """In a fresh process: every (column, depth) ``repeats`` times, columns interleaved."""
+    from .compile_time import _init_fake_pg, _warm_up
+
+    torch.set_num_threads(1)
+    mesh = _init_fake_pg()
+    _warm_up(mesh)
+    out: dict = {}
+    for n in depths:
+        for r in range(repeats):
+            order = COLD if (n + r) % 2 else tuple(reversed(COLD))
+            for column in order:
+                out.setdefault(f"{column}/{n}", []).append(_cold(mesh, column, n))
+    return out
+
+
+def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .timing import summary, time_paired
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    out: dict = {}
+    for n in cfg["depths"]:
+        sides, ref, match = {}, None, {}
+        for column in STEADY:
+            step, zero, leaves = build(mesh, column, n, **cfg["shape"])
+            dist.barrier()
+            loss = step()
+            got = [loss.full_tensor()] + [t.grad.full_tensor() for t in leaves]
+            ref = got if ref is None else ref
+            match[column] = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * (1 + b.abs().max().item()))
+                                for a, b in zip(got, ref))
+            zero()
+
+            def timed(step=step, zero=zero):
+                step()
+                zero()
+
+            sides[column] = timed
+        paired = time_paired(sides, cfg["rounds"], cfg["calls"], warmup=1, sync=dist.barrier,
+                             cpu_clock="process_cpu")
+        out[str(n)] = {
+            "numerics_match": match,
+            "step_us": {c: {s: summary(paired.per_call(s, c)) for s in sides} for c in ("wall", "cpu")},
+            "ratios": {c: {f"{a}/{b}": paired.ratios(a, b, c) for a, b in
+                           (("marked", "upstream_whole"), ("marked", "ours_whole"))} for c in ("wall", "cpu")},
+        }
+        del sides
+        torch._dynamo.reset()
+    return out
+
+
+def run(depths: list[int], repeats: int, rounds: int, calls: int, shape: dict, only: set[str] | None,
+        log=print) -> dict:
+    from localmap_fx.testing.dist import run_ranks
+
+    from .run import _in_fresh_process, _loadavg
+
+    res: dict = {"depths": depths, "load_start": _loadavg()}
+    if only is None or "cold" in only:
+        log("[marked] cold compile ...")
+        res["cold"] = _in_fresh_process(cold_worker, depths, repeats)
+    if only is None or "steady" in only:
+        log("[marked] steady step (2 gloo ranks) ...")
+        cfg = {"depths": depths, "rounds": rounds, "calls": calls, "shape": shape}
+        res["steady"] = run_ranks(steady_ranks, world_size=2, timeout=3000, args=(cfg,))[0]
+    res["load_end"] = _loadavg()
+    return res
+
+
+def table(res: dict) -> str:
+    """The figures as markdown: medians over repeats / rounds."""
+    lines = []
+    if "cold" in res:
+        lines += ["| cold compile | layers | wall s | CPU s (own + children) | dynamo s | aot s | inductor s | graphs | "
+                  "CPU ÷ upstream_regional |", "|---|---|---|---|---|---|---|---|---|"]
+        for n in res["depths"]:
+            base = statistics.median(r["cpu_s"] for r in res["cold"][f"upstream_regional/{n}"])
+            for column in COLD:
+                rs = res["cold"][f"{column}/{n}"]
+                med = {k: statistics.median(r[k] for r in rs) for k in
+                       ("total_s", "cpu_s", "children_cpu_s", "dynamo_s", "aot_s", "inductor_s", "graphs")}
+                lines.append(f"| {column} | {n} | {med['total_s']:.2f} | {med['cpu_s']:.2f} + {med['children_cpu_s']:.2f} | {med['dynamo_s']:.2f} "
+                             f"| {med['aot_s']:.2f} | {med['inductor_s']:.2f} | {med['graphs']:.0f} "
+                             f"| {med['cpu_s'] / base:.2f} |")
+    if "steady" in res:
+        lines += ["", "| steady step (2 gloo ranks) | layers | wall ms | ÷ upstream_whole (wall, median of rounds) "
+                  "| numerics match |", "|---|---|---|---|---|"]
+        for n in res["depths"]:
+            s = res["steady"][str(n)]
+            for column in STEADY:
+                ratio = (statistics.median(s["ratios"]["wall"]["marked/upstream_whole"]) if column == "marked"
+                         else None)
+                shown = f"{ratio:.3f}" if ratio is not None else ""
+                lines.append(f"| {column} | {n} | {s['step_us']['wall'][column]['median'] / 1e3:.1f} | {shown} "
+                             f"| {s['numerics_match'][column]} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--depths", default="16,64")
+    p.add_argument("--repeats", type=int, default=2, help="cold compiles per column and depth")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--only", default=None, help="cold,steady")
+    p.add_argument("--quick", action="store_true", help="2 layers, one round: a smoke test")
+    p.add_argument("--out", default="benchmarks/out")
+    a = p.parse_args(argv)
+    only = set(a.only.split(",")) if a.only else None
+    if a.quick:
+        res = run([2], 1, 1, 1, {"batch": 8, "d": 16, "hidden": 32}, only)
+    else:
+        res = run([int(x) for x in a.depths.split(",")], a.repeats, a.rounds, a.calls, SHAPE, only)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "marked.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
