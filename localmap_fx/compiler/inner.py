@@ -56,11 +56,14 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
               keep: Kept = None):
+    import functools
+
     import torch
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
+    from . import cache_keys
 
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
@@ -82,9 +85,21 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     # keys on the graph after the pass).
     no_aot_cache = keep is not None or any(
         gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+    # Note: [The mesh out of the cache key] (cache_keys.py); a kept piece's
+    # callers index its inputs, so it keeps them.
+    lifted = () if keep is not None else cache_keys.find_mesh_inputs(gm, example_inputs)
+    if lifted:
+        gm = apply(functools.partial(cache_keys.lift_mesh_inputs, found=lifted, example_inputs=example_inputs),
+                   cache_keys.dynamo_graph_copy(gm))
+        dropped = {m.position for m in lifted}
+        inputs = [v for i, v in enumerate(example_inputs) if i not in dropped]
+    else:
+        inputs = list(example_inputs)
     with _backward_now(keep), torch._functorch.config.patch(
-            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache), \
+            cache_keys.marked_cacheable(bool(lifted)):
+        compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+    return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 
 
 def _backward_now(keep: Kept):

@@ -1,0 +1,187 @@
+"""Cache keys that a new process computes again: the mesh leaves the graph's inputs.
+
+Note: [The mesh out of the cache key]
+    Dynamo hands a ``DeviceMesh`` to the backend as a graph input (an opaque
+    object).  AOTAutogradCache and Inductor's FX graph cache pickle their
+    example inputs for the key, and torch 2.14.1 pickles a mesh's
+    ``__dict__`` there, ``_hash`` included: the hash of a tuple holding
+    ``None``, which Python 3.11 derives from an address.  So no key of a
+    DTensor program is the same in two processes, and a warm restart never
+    hits either cache (``tests/test_warm_restart.py`` pins this on torch's
+    own ``local_map`` and ``backend="inductor"``).
+
+    The backend owns the graph and the example inputs it gives AOTAutograd,
+    so before Inductor each mesh placeholder becomes a call
+    ``mesh_constant("<key>")`` whose argument is text made of the mesh's
+    public, process-independent description (device type, ranks, dimension
+    names, process group names).  The call is traced away: AOTAutograd's
+    graphs already hold the collectives' group names, not the mesh, so the
+    compiled code is the same and its keys are stable.  ``mesh_constant`` is
+    declared cacheable through Inductor's ``unsafe_marked_cacheable_functions``
+    (a scoped ``config.patch``), which AOTAutogradCache reads to accept a
+    call it does not know; the version there is part of every key.  At run
+    time :func:`without_meshes` drops the mesh arguments Dynamo still passes.
+    A mesh whose description cannot be built (no process group yet) stays an
+    input, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from ..passes import PassResult
+
+__all__ = [
+    "MESH_CONSTANT",
+    "MeshInput",
+    "marked_cacheable",
+    "dynamo_graph_copy",
+    "find_mesh_inputs",
+    "lift_mesh_inputs",
+    "mesh_constant",
+    "mesh_key",
+    "without_meshes",
+]
+
+# what unsafe_marked_cacheable_functions calls mesh_constant
+MESH_CONSTANT = f"{__name__}.mesh_constant"
+# enters every key that holds mesh_constant: bump it when the lifted graph changes meaning
+KEY_VERSION = "1"
+
+# key -> a live mesh of that description, for tracing in this process; weak so
+# that compiling never keeps a mesh (and its process groups) alive.
+_MESHES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def mesh_key(mesh: Any) -> str | None:
+    """A process-independent description of ``mesh``, None if it has no process groups.
+
+    Two meshes with one key use the same ranks, dimension names and process
+    groups, so tracing with either gives the same graph.
+    """
+    try:
+        groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return (f"{mesh.device_type}|{tuple(mesh.shape)}|{mesh.mesh.flatten().tolist()}|"
+            f"{mesh.mesh_dim_names}|{groups}")
+
+
+def mesh_constant(key: str) -> Any:
+    """The mesh of ``key`` (:func:`mesh_key`); runs only while AOTAutograd traces."""
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        raise RuntimeError(f"localmap_fx: no live DeviceMesh has the description {key!r}")
+    return mesh
+
+
+def marked_cacheable(lifted: bool) -> contextlib.AbstractContextManager:
+    """While compiling a lifted graph: :func:`mesh_constant` is in Inductor's
+    ``unsafe_marked_cacheable_functions`` (so in every key of that compile)."""
+    if not lifted:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(unsafe_marked_cacheable_functions={
+        **config.unsafe_marked_cacheable_functions, MESH_CONSTANT: KEY_VERSION})
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInput:
+    """Placeholder ``name`` at input ``position`` is a mesh described by ``key``."""
+
+    position: int
+    name: str
+    key: str
+
+
+def find_mesh_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[MeshInput, ...]:
+    """The mesh inputs of ``gm`` that can be lifted; () when any cannot.
+
+    All or none: a mesh left as an input keeps the key unstable anyway.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        return ()
+    found = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(value, DeviceMesh):
+            continue
+        key = mesh_key(value)
+        # a mesh returned by the graph must stay the object Dynamo passes
+        if key is None or any(u.op == "output" for u in node.users):
+            return ()
+        found.append(MeshInput(i, node.name, key))
+    return tuple(found)
+
+
+def dynamo_graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph module to edit.
+
+    Dynamo derives the arguments it passes at run time from the placeholders
+    of the module it gave the backend: erasing one there would drop that
+    argument from every call, whatever was compiled.  The copy keeps what
+    AOTAutograd reads from a Dynamo module (``meta``, ``_param_name_to_source``).
+    """
+    graph = fx.Graph()
+    copied: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copied))
+    copy = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    # torch's Note [Assumption on Dynamo Metadata] (aot_autograd frontend_utils):
+    # a module derived from Dynamo's carries each placeholder's source over.
+    for old in gm.graph.find_nodes(op="placeholder"):
+        if hasattr(old, "_dynamo_source"):
+            copied[old]._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
+    return copy
+
+
+def lift_mesh_inputs(gm: fx.GraphModule, found: Sequence[MeshInput],
+                     example_inputs: Sequence[Any]) -> PassResult:
+    """Each mesh placeholder of ``found`` becomes a ``mesh_constant(key)`` call.
+
+    ::
+
+        before                                   after
+        ------                                   -----
+        def forward(self, x, mesh):              def forward(self, x):
+                                                     mesh = mesh_constant("cpu|(2,)|[0, 1]|('tp',)|('0',)")
+            y = from_local(x, mesh, ...)             y = from_local(x, mesh, ...)
+    """
+    if not found:
+        return PassResult(gm)
+    by_name = {m.name: m for m in found}
+    placeholders = [n for n in gm.graph.find_nodes(op="placeholder") if n.name in by_name]
+    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node in placeholders:
+        m = by_name[node.name]
+        _MESHES[m.key] = example_inputs[m.position]
+        with gm.graph.inserting_before(anchor):
+            call = gm.graph.call_function(mesh_constant, (m.key,))
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+    return PassResult.of(gm, [gm])
+
+
+def without_meshes(compiled: Callable, found: Sequence[MeshInput], n_inputs: int) -> Callable:
+    """``compiled`` called with Dynamo's arguments less the lifted meshes.
+
+    Dynamo calls what a backend returns with unpacked arguments.
+    """
+    dropped = {m.position for m in found}
+    kept = [i for i in range(n_inputs) if i not in dropped]
+
+    def run(*args: Any) -> Any:
+        return compiled(*[args[i] for i in kept])
+
+    return run
