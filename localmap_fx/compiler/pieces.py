@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import node_value
+from ..graph_utils import is_to_local, node_value
 from ..passes.share_layers import META_PIECE, pieces_of
 from .layer_runtime import CompiledLayer, chain_layer_runs, compiled_layer, find_layer_runs
 
@@ -78,6 +78,23 @@ def _fake_mode(example_inputs: Sequence[Any]):
     return detect_fake_mode(example_inputs)
 
 
+# --- Note: [A piece that only unwraps runs eagerly] (cache branch) ---
+#     The prefix piece of a split frame is often only ``to_local`` of the
+#     frame's DTensor inputs (the weights).  Through AOTAutograd + Inductor its
+#     forward is an empty graph that returns the weights' own local tensors,
+#     and the autograd.Function around it then gives those tensor objects a
+#     grad_fn: the parameter's ``_local_tensor`` turns requires_grad=True, so
+#     Dynamo's guard fails and the frame recompiles on the next step (and an
+#     empty graph has no FX cache key, so it is never cached).  Eager
+#     ``to_local`` returns a view with DTensor's own backward, at about the
+#     cost of AOTAutograd's unwrapping.
+def _only_unwraps(sub: fx.GraphModule) -> bool:
+    body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+    return bool(body) and all(is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+                              for n in body)
+# --- end cache branch ---
+
+
 def compile_pieces(
     outer: fx.GraphModule,
     compile_one: CompileOne,
@@ -95,6 +112,8 @@ def compile_pieces(
         sub: Any = outer.get_submodule(target)
         key = meta["key"]
         compiled = by_key.get(key) if key is not None else None
+        if compiled is None and key is None and _only_unwraps(sub):  # Note: [A piece that only unwraps runs eagerly]
+            compiled = _CompiledPiece(sub.forward, target, "eager: to_local of its inputs only")
         if compiled is None:
             example = [node_value(a) for a in call.args]
             fake_mode = _fake_mode(example)
