@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
         "localmap_fx.passes.hoist_subgraph_views",
+        "localmap_fx.compiler.cache_keys",
         "localmap_fx.passes.share_layers",
         "localmap_fx.compiler.layer_runtime",
         "localmap_fx.lowering",

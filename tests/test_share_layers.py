@@ -283,9 +283,9 @@ def test_aot_traces_each_distinct_layer_once(n):
     torch._dynamo.reset()
     f = torch.compile(_step(_layer_fn(mesh)), backend=localmap_fx.backend("aot_eager", share_layers=True, on_aot_graph=count))
     f(x, ws, bs).backward()
-    # the input's to_local, one layer piece and the tail, forward and
-    # backward: independent of n
-    assert count.graphs.count("forward") == 3 and count.graphs.count("backward") == 3
+    # one layer piece and the tail, forward and backward: independent of n
+    # (the inputs' to_local runs eagerly: Note: [A piece that only unwraps runs eagerly])
+    assert count.graphs.count("forward") == 2 and count.graphs.count("backward") == 2
 
 
 def test_without_sharing_one_graph_is_traced():

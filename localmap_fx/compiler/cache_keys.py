@@ -29,21 +29,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
 
+from ..debug.logs import LOG_NAME
 from ..passes import PassResult
 
+log = logging.getLogger(f"{LOG_NAME}.caches")
+
 __all__ = [
+    "CacheCounts",
     "MESH_CONSTANT",
     "MeshInput",
     "marked_cacheable",
     "dynamo_graph_copy",
     "find_mesh_inputs",
+    "log_counts",
     "lift_mesh_inputs",
+    "lift_meshes",
     "mesh_constant",
     "mesh_key",
     "without_meshes",
@@ -145,7 +152,7 @@ def dynamo_graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     # a module derived from Dynamo's carries each placeholder's source over.
     for old in gm.graph.find_nodes(op="placeholder"):
         if hasattr(old, "_dynamo_source"):
-            copied[old]._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
+            copied[old]._dynamo_source = old._dynamo_source
     return copy
 
 
@@ -176,7 +183,22 @@ def lift_mesh_inputs(gm: fx.GraphModule, found: Sequence[MeshInput],
     return PassResult.of(gm, [gm])
 
 
-def without_meshes(compiled: Callable, found: Sequence[MeshInput], n_inputs: int) -> Callable:
+def lift_meshes(gm: fx.GraphModule,
+                example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[Any], tuple[MeshInput, ...]]:
+    """(module, example inputs, lifted) to hand AOTAutograd: Dynamo's ``gm`` and
+    ``example_inputs`` as they are when no mesh can be lifted, else a copy with
+    every mesh input lifted (call the result through :func:`without_meshes`)."""
+    from ..passes import apply
+
+    found = find_mesh_inputs(gm, example_inputs)
+    if not found:
+        return gm, list(example_inputs), ()
+    lifted = apply(lambda g: lift_mesh_inputs(g, found, example_inputs), dynamo_graph_copy(gm))
+    dropped = {m.position for m in found}
+    return lifted, [v for i, v in enumerate(example_inputs) if i not in dropped], found
+
+
+def without_meshes(compiled: Any, found: Sequence[MeshInput], n_inputs: int) -> Callable:
     """``compiled`` called with Dynamo's arguments less the lifted meshes.
 
     Dynamo calls what a backend returns with unpacked arguments.
@@ -188,3 +210,41 @@ def without_meshes(compiled: Callable, found: Sequence[MeshInput], n_inputs: int
         return compiled(*[args[i] for i in kept])
 
     return run
+
+
+_COUNTERS = (("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
+             ("aot_autograd", "autograd_cache_bypass"), ("inductor", "fxgraph_cache_hit"),
+             ("inductor", "fxgraph_cache_miss"), ("inductor", "fxgraph_cache_bypass"))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheCounts:
+    """torch's cache counters (``torch._dynamo.utils.counters``) over one compile."""
+
+    aot_hit: int = 0
+    aot_miss: int = 0
+    aot_bypass: int = 0
+    fx_hit: int = 0
+    fx_miss: int = 0
+    fx_bypass: int = 0
+
+    @classmethod
+    def now(cls) -> CacheCounts:
+        from torch._dynamo.utils import counters
+
+        return cls(*(counters[group][name] for group, name in _COUNTERS))
+
+    def since(self, before: CacheCounts) -> CacheCounts:
+        return CacheCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(before))))
+
+    def text(self) -> str:
+        return (f"AOTAutogradCache hit {self.aot_hit} miss {self.aot_miss} bypass {self.aot_bypass}; "
+                f"FX graph cache hit {self.fx_hit} miss {self.fx_miss} bypass {self.fx_bypass}")
+
+
+def log_counts(what: str, before: CacheCounts, lifted: Sequence[MeshInput]) -> CacheCounts:
+    """Log (``TORCH_LOGS=localmap_fx``) what torch's caches did for one compile; returns it."""
+    counts = CacheCounts.now().since(before)
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s: %s (%d mesh input(s) lifted out of the key)", what, counts.text(), len(lifted))
+    return counts

@@ -56,8 +56,6 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, on_output: OnOutput,
               keep: Kept = None):
-    import functools
-
     import torch
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -87,18 +85,13 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
     # Note: [The mesh out of the cache key] (cache_keys.py); a kept piece's
     # callers index its inputs, so it keeps them.
-    lifted = () if keep is not None else cache_keys.find_mesh_inputs(gm, example_inputs)
-    if lifted:
-        gm = apply(functools.partial(cache_keys.lift_mesh_inputs, found=lifted, example_inputs=example_inputs),
-                   cache_keys.dynamo_graph_copy(gm))
-        dropped = {m.position for m in lifted}
-        inputs = [v for i, v in enumerate(example_inputs) if i not in dropped]
-    else:
-        inputs = list(example_inputs)
+    gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs) if keep is None else (gm, list(example_inputs), ())
+    before = cache_keys.CacheCounts.now()
     with _backward_now(keep), torch._functorch.config.patch(
             enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache), \
             cache_keys.marked_cacheable(bool(lifted)):
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+    cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 
 
