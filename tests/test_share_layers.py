@@ -366,6 +366,33 @@ def test_guards_recompile_with_shared_layers():
         assert len(graphs) == 4
 
 
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_share_layers_compiles_one_frame_over_three_training_steps(inner):
+    """DTensor parameters of an nn.Module: the weights' to_local never gives the
+    parameters' local tensors a grad_fn (Note: [A piece that only unwraps runs
+    eagerly]), so Dynamo's requires_grad guard on them holds on the next step."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    model, x = TPStack(mesh, 3, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    frames = []
+    be = localmap_fx.backend(inner, share_layers=True)
+
+    def count(gm, example_inputs):
+        frames.append(gm)
+        return be(gm, example_inputs)
+
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=count)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        f(x).backward()
+        opt.step()
+    assert len(frames) == 1
+    assert not any(p._local_tensor.requires_grad for p in model.parameters())
+
+
 def test_dump_and_cli_show_which_layers_share_a_piece(tmp_path):
     import contextlib
     import io
@@ -396,7 +423,7 @@ Layers with one key run one compiled piece (compiled once).
 
 | piece | layers | calls | key | nodes | not shared because | runs as |
 |---|---|---|---|---|---|---|
-| piece_0 | - | 1 | - | 4 | prefix / tail | aot |
+| piece_0 | - | 1 | - | 4 | prefix / tail | eager |
 | piece_1 | 0, 1, 2 | 3 | KEY | 3 | - | layer in run_0 |
 | piece_4 | - | 1 | - | 3 | prefix / tail | aot |"""
     # prefix: to_local of x and of the 3 weights (Note: [Weights enter as

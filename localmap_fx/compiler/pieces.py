@@ -113,7 +113,7 @@ def compile_pieces(
         key = meta["key"]
         compiled = by_key.get(key) if key is not None else None
         if compiled is None and key is None and _only_unwraps(sub):  # Note: [A piece that only unwraps runs eagerly]
-            compiled = _CompiledPiece(sub.forward, target, "eager: to_local of its inputs only")
+            compiled = _CompiledPiece(sub.forward, target, "eager")
         if compiled is None:
             example = [node_value(a) for a in call.args]
             fake_mode = _fake_mode(example)
