@@ -119,3 +119,41 @@ def test_torch_never_hits_in_a_new_process_for_dtensor_programs(tmp_path):
     assert warm["aot"].get("autograd_cache_hit", 0) == 0, warm
     assert warm["aot"].get("autograd_cache_miss", 0) >= 1, warm
     assert warm["inductor"].get("fxgraph_cache_hit", 0) == 0, warm
+
+
+def test_mesh_inputs_leave_a_copy_of_dynamos_graph():
+    """In process: the mesh placeholder becomes ``mesh_constant(key)`` in a copy;
+    Dynamo's module keeps its inputs (Dynamo passes arguments by them)."""
+    import torch
+    import torch.fx as fx
+
+    from localmap_fx.compiler import cache_keys
+
+    from helpers import mesh_1d
+
+    mesh = mesh_1d()
+    g = fx.Graph()
+    x, m = g.placeholder("x"), g.placeholder("mesh")
+    g.output((g.call_function(getattr, (m, "ndim")), x))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm.meta["dynamo_compile_id"] = "0/0"  # as Dynamo marks its graphs
+    t = torch.ones(2)
+
+    lifted, inputs, found = cache_keys.lift_meshes(gm, [t, mesh])
+    assert found == (cache_keys.MeshInput(1, "mesh", cache_keys.mesh_key(mesh)),)
+    assert [n.name for n in lifted.graph.find_nodes(op="placeholder")] == ["x"]
+    assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == ["x", "mesh"]
+    assert len(inputs) == 1 and inputs[0] is t
+    assert """mesh_constant("cpu|(4,)|[0, 1, 2, 3]|('tp',)|""" in lifted.code
+    ndim, out = cache_keys.without_meshes(lifted.forward, found, 2)(t, mesh)
+    assert ndim == 1 and out is t
+
+    # a graph that returns its mesh keeps it as an input
+    g2 = fx.Graph()
+    g2.output((g2.placeholder("x"), g2.placeholder("mesh")))
+    gm2 = fx.GraphModule(torch.nn.Module(), g2)
+    gm2.meta["dynamo_compile_id"] = "0/0"
+    assert cache_keys.find_mesh_inputs(gm2, [t, mesh]) == ()
+    # not Dynamo's graph (a piece of a split frame): left alone
+    del gm.meta["dynamo_compile_id"]
+    assert cache_keys.find_mesh_inputs(gm, [t, mesh]) == ()
