@@ -116,9 +116,10 @@ def find_mesh_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple
     from torch.distributed.device_mesh import DeviceMesh
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    # only Dynamo's own graph: a piece of a split frame (compiler/pieces.py) is
-    # called by the outer graph, and AOTAutograd partitions a lifted piece
-    # wrongly ("Node tangents_2 was invalid, but is output"), not yet understood
+    # only Dynamo's own graph: AOTAutograd fails on a lifted piece of a split
+    # frame (compiler/pieces.py), e.g. the tail of a 4-layer TP stack under
+    # share_layers=True, from_local of a plain input: "Node tangents_2 was
+    # invalid, but is output" in the partitioner; not yet understood
     if "dynamo_compile_id" not in gm.meta or len(placeholders) != len(example_inputs):
         return ()
     found = []
