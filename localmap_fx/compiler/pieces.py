@@ -86,8 +86,9 @@ def _fake_mode(example_inputs: Sequence[Any]):
 #     grad_fn: the parameter's ``_local_tensor`` turns requires_grad=True, so
 #     Dynamo's guard fails and the frame recompiles on the next step (and an
 #     empty graph has no FX cache key, so it is never cached).  Eager
-#     ``to_local`` returns a view with DTensor's own backward, at about the
-#     cost of AOTAutograd's unwrapping.
+#     ``to_local`` returns a view with DTensor's own backward (one autograd
+#     node per weight instead of one for the piece; its step cost against the
+#     AOTAutograd prefix is not measured yet).
 def _only_unwraps(sub: fx.GraphModule) -> bool:
     body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
     return bool(body) and all(is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
