@@ -8,7 +8,8 @@ D 32, H 64; fake process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR``
 (cold), then a second fresh process with the same folder (warm), back to back
 so both see the same machine load.  Each reports the seconds of its first
 forward + backward and torch's cache counters.  Target: warm / cold <= 0.25
-(issue 27).  Modes: ``whole`` (``torch.compile(model, backend="localmap_fx")``),
+(issue 27).  Ours use ``localmap_fx.backend(stable_cache_keys=True)``.
+Modes: ``whole`` (``torch.compile(model, backend=...)``),
 ``regional`` (``block.compile(backend="localmap_fx")`` per block), ``shared``
 (``share_layers=True``), ``upstream_whole`` / ``upstream_regional`` (torch's
 ``local_map``, ``backend="inductor"``).
@@ -48,14 +49,15 @@ def first_step(mode: str, n_layers: int, cache_dir: str) -> dict:
     upstream = mode.startswith("upstream")
     model = TPStack(mesh, n_layers, d=32, hidden=64, impl="torch" if upstream else "ours")
     x = tp_stack_input(mesh, batch=16, d=32)
-    backend = "inductor" if upstream else "localmap_fx"
+    import localmap_fx
+
+    backend: Any = "inductor" if upstream else localmap_fx.backend(
+        stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
     fn: Any
     if mode.endswith("regional"):
         for block in model.blocks:
-            block.compile(backend=backend)
+            block.compile(backend=backend)  # one backend object: Dynamo guards on its identity
         fn = model
-    elif mode == "shared":
-        fn = torch.compile(model, backend=backend, options={"share_layers": True})
     else:
         fn = torch.compile(model, backend=backend)
     t0 = time.perf_counter()

@@ -26,6 +26,7 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import localmap_fx
     from localmap_fx.testing.models import TPStack, tp_stack_input
 
     torch.set_num_threads(1)
@@ -38,15 +39,15 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str) -> None:
     model = TPStack(mesh, n_layers, d=16, hidden=32, impl=impl)
     x = tp_stack_input(mesh, batch=8, d=16)
     f: Any
+    be = localmap_fx.backend(stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
     if mode == "regional":
         for block in model.blocks:
-            block.compile(backend="localmap_fx")
+            block.compile(backend=be)  # one backend object: Dynamo guards on its identity
         f = model
     elif mode == "upstream":
         f = torch.compile(model, backend="inductor")
     else:
-        f = torch.compile(model, backend="localmap_fx",
-                          options={"share_layers": True} if mode == "shared" else None)
+        f = torch.compile(model, backend=be)
     losses = []
     for _ in range(steps):
         loss = f(x)

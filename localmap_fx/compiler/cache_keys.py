@@ -23,6 +23,12 @@ Note: [The mesh out of the cache key]
     time :func:`without_meshes` drops the mesh arguments Dynamo still passes.
     A mesh whose description cannot be built (no process group yet) stays an
     input, as before.
+
+    The price, and why it is opt-in (``stable_cache_keys=True``): with the
+    mesh a graph input, AOTAutograd reuses it for the mesh every DTensor input
+    carries; without it, each DTensor input's mesh becomes an AOT input of
+    its own, saved for the backward and given a None gradient, every call
+    (16-layer TP stack on CPU: 3.5 ms step against 2.9 ms).
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
     # Note: [The mesh out of the cache key] (cache_keys.py); a kept piece's
     # callers index its inputs, so it keeps them.
-    gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs) if keep is None else (gm, list(example_inputs), ())
+    gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys
+                          else (gm, list(example_inputs), ()))
     before = cache_keys.CacheCounts.now()
     with _backward_now(keep), torch._functorch.config.patch(
             enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache), \

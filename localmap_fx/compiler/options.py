@@ -44,6 +44,11 @@ class BackendOptions:
             (``True``); keep the whole frame one graph (``False``); or decide
             from the number of repeats (``"auto"``, default; see
             :func:`layer_sharing_decision` and ``docs/design.md``).
+        stable_cache_keys: lift each DeviceMesh input out of the graph handed
+            to AOTAutograd so its and Inductor's cache keys are the same in a
+            new process (Note: [The mesh out of the cache key]).  Off by
+            default: AOTAutograd then takes each DTensor input's mesh as an
+            input of its own, which costs run time every call.
     """
 
     inner: str = "inductor"
@@ -54,6 +59,7 @@ class BackendOptions:
     on_aot_graph: Callable[[str, fx.GraphModule], None] | None = None
     dump_dir: str | None = None
     share_layers: bool | str = "auto"
+    stable_cache_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
