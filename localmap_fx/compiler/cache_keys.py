@@ -28,7 +28,8 @@ Note: [The mesh out of the cache key]
     mesh a graph input, AOTAutograd reuses it for the mesh every DTensor input
     carries; without it, each DTensor input's mesh becomes an AOT input of
     its own, saved for the backward and given a None gradient, every call
-    (16-layer TP stack on CPU: 3.5 ms step against 2.9 ms).
+    (16-layer TP stack, B 16 D 32 H 64, fake process group, CPU: 2.47 ms step
+    against 2.40 ms, +3%).
 """
 
 from __future__ import annotations
