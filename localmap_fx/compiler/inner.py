@@ -83,6 +83,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
 
     from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
+    from . import cache_keys
 
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
@@ -102,9 +103,17 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     # keys on the graph after the pass).
     no_aot_cache = keep is not None or any(
         gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+    # Note: [The mesh out of the cache key] (cache_keys.py); a kept piece's
+    # callers index its inputs, so it keeps them.
+    gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys
+                          else (gm, list(example_inputs), ()))
+    before = cache_keys.CacheCounts.now()
     with _backward_now(keep), torch._functorch.config.patch(
-            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache), \
+            cache_keys.marked_cacheable(bool(lifted)):
+        compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+    cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
+    return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 
 
 def _backward_now(keep: Kept):
@@ -134,8 +143,10 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     watch = observer if observer is not None else Observer()
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
-        if not aot_graphs and opts.lean_border and opts.inner != "eager":
-            # a DTensor graph compiled whole: see compiler/dtensor_border.py
+        if not aot_graphs and opts.lean_border and not opts.stable_cache_keys and opts.inner != "eager":
+            # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
+            # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
+            # give back, so stable_cache_keys (warm restarts) goes without it.
             from .dtensor_border import DTensorBorder, dtensor_border
 
             border = dtensor_border(gm, example_inputs, compile_one)

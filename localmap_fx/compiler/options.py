@@ -55,6 +55,13 @@ class BackendOptions:
             lean border instead of AOTAutograd's subclass runtime, with a
             backward compiled for the placements its gradients really have
             (default True; see :mod:`localmap_fx.compiler.dtensor_border`).
+        stable_cache_keys: lift each DeviceMesh input out of the graph handed
+            to AOTAutograd so its and Inductor's cache keys are the same in a
+            new process (Note: [The mesh out of the cache key]).  Off by
+            default: AOTAutograd then takes each DTensor input's mesh as an
+            input of its own, which costs run time every call.
+            It also turns ``lean_border`` off: the border compiles with
+            its AOT graphs kept, which an AOTAutogradCache hit cannot return.
     """
 
     inner: str = "inductor"
@@ -66,6 +73,7 @@ class BackendOptions:
     dump_dir: str | None = None
     share_layers: bool | str = "auto"
     lean_border: bool = True
+    stable_cache_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:

@@ -162,7 +162,9 @@ def _inner(f: FrameState) -> None:
         return
     from ..layer_sharing.compile import compile_pieces
 
-    f.reports = compile_pieces(f.gm, f.compile_one)
+    # Note: [A piece that only unwraps skips Inductor] in layer_sharing/compile.py
+    unwraps = inner_compiler(dataclasses.replace(f.opts, inner="aot_eager", lean_border=False), f.observer)
+    f.reports = compile_pieces(f.gm, f.compile_one, unwraps)
 
 
 def _layer_runs(f: FrameState) -> None:

@@ -285,8 +285,9 @@ def test_aot_traces_each_distinct_layer_once(n):
     torch._dynamo.reset()
     f = torch.compile(_step(_layer_fn(mesh)), backend=localmap_fx.backend("aot_eager", share_layers=True, on_aot_graph=count))
     f(x, ws, bs).backward()
-    # the input's to_local, one layer piece and the tail, forward and
-    # backward: independent of n
+    # the prefix (the inputs' to_local, compiled by aot_eager: Note: [A piece
+    # that only unwraps skips Inductor]), one layer piece and the tail, forward
+    # and backward: independent of n
     assert count.graphs.count("forward") == 3 and count.graphs.count("backward") == 3
 
 
@@ -375,6 +376,33 @@ def test_guards_recompile_with_shared_layers():
         x, ws, bs = _state(mesh, 3, batch=32)
         f(x, ws, bs)
         assert len(graphs) == 4
+
+
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_share_layers_compiles_one_frame_over_three_training_steps(inner):
+    """DTensor parameters of an nn.Module: the weights' to_local never gives the
+    parameters' local tensors a grad_fn (Note: [A piece that only unwraps
+    skips Inductor]), so Dynamo's requires_grad guard on them holds on the next step."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    model, x = TPStack(mesh, 3, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    frames = []
+    be = localmap_fx.backend(inner, share_layers=True)
+
+    def count(gm, example_inputs):
+        frames.append(gm)
+        return be(gm, example_inputs)
+
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=count)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        f(x).backward()
+        opt.step()
+    assert len(frames) == 1
+    assert not any(p._local_tensor.requires_grad for p in model.parameters())
 
 
 def test_dump_and_cli_show_which_layers_share_a_piece(tmp_path):

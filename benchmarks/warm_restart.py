@@ -1,0 +1,107 @@
+"""Warm restart: the first forward + backward in a new process whose caches a first process filled.
+
+    python -m benchmarks.warm_restart --layers 16 64 --modes whole regional shared
+
+For each (mode, layers): a fresh process compiles the ``nn.Module`` TP stack
+(``localmap_fx.testing.models.TPStack``: DTensor parameters, residual; B 16,
+D 32, H 64; fake process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR``
+(cold), then a second fresh process with the same folder (warm), back to back
+so both see the same machine load.  Each reports the seconds of its first
+forward + backward and torch's cache counters.  Target: warm / cold <= 0.25
+(issue 27).  Ours use ``localmap_fx.backend(stable_cache_keys=True)``.
+Modes: ``whole`` (``torch.compile(model, backend=...)``),
+``regional`` (``block.compile(backend="localmap_fx")`` per block), ``shared``
+(``share_layers=True``), ``upstream_whole`` / ``upstream_regional`` (torch's
+``local_map``, ``backend="inductor"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["first_step", "warm_restart", "main"]
+
+MODES = ("whole", "regional", "shared", "upstream_whole", "upstream_regional")
+TARGET = 0.25
+
+
+def first_step(mode: str, n_layers: int, cache_dir: str) -> dict:
+    """In a fresh process: seconds of the first forward + backward, and the cache counters."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    upstream = mode.startswith("upstream")
+    model = TPStack(mesh, n_layers, d=32, hidden=64, impl="torch" if upstream else "ours")
+    x = tp_stack_input(mesh, batch=16, d=32)
+    import localmap_fx
+
+    backend: Any = "inductor" if upstream else localmap_fx.backend(
+        stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
+    fn: Any
+    if mode.endswith("regional"):
+        for block in model.blocks:
+            block.compile(backend=backend)  # one backend object: Dynamo guards on its identity
+        fn = model
+    else:
+        fn = torch.compile(model, backend=backend)
+    t0 = time.perf_counter()
+    fn(x).backward()
+    seconds = time.perf_counter() - t0
+    return {
+        "seconds": seconds,
+        "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+        "fx": {k: v for k, v in counters["inductor"].items() if "cache" in k},
+    }
+
+
+def warm_restart(mode: str, n_layers: int) -> dict:
+    """Cold then warm, each in its own spawned process, one fresh cache folder."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as cache:
+        runs = []
+        for _ in range(2):
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+                runs.append(ex.submit(first_step, mode, n_layers, cache).result())
+    cold, warm = runs
+    return {"mode": mode, "layers": n_layers, "cold": cold, "warm": warm,
+            "ratio": warm["seconds"] / cold["seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[16])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "shared"])
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    results = []
+    for n in args.layers:
+        for mode in args.modes:
+            r = warm_restart(mode, n)
+            results.append(r)
+            print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
+                  f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); warm caches: aot {r['warm']['aot']}, "
+                  f"fx {r['warm']['fx']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
