@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from .. import argtree, validate
+from .._pytree import pytree
 from ..errors import compile_time
 from ..graph_utils import node_value
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT, definition_site
@@ -61,7 +62,7 @@ from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from . import handoff
 from .handoff import local_vt, realized
 
-__all__ = ["check_meshes", "plan_call", "plan_outputs", "put_identity"]
+__all__ = ["check_meshes", "pinned_root_call", "plan_call", "plan_outputs", "put_identity"]
 
 
 # Note: [Constants handed to the trace are private copies]
@@ -155,6 +156,25 @@ def check_meshes(ctx) -> None:
                     _put(handoff.Raise(compile_time(e)))
                     return
     _put(None)
+
+
+def pinned_root_call(ctx) -> None:
+    """comptime, in ``LocalMap.__call__``: True when that call is the root of
+    the frame Dynamo compiles and one of its arguments is a tensor Dynamo pins
+    by identity (Note: [A frame that starts at a local_map call] in
+    :mod:`localmap_fx.api`).  Reads the frame's real arguments, not Dynamo's
+    variables, so that it installs no guard."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.utils import get_static_address_type
+
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    if type(tx) is not InstructionTranslator:
+        handoff.put(False)  # inlined into a larger frame: captured as usual
+        return
+    args = tx.f_locals.get("args", ())
+    kwargs = tx.f_locals.get("kwargs", {})
+    leaves = pytree.tree_leaves((args, kwargs))
+    handoff.put(any(get_static_address_type(leaf) == "guarded" for leaf in leaves))
 
 
 def put_identity(ctx) -> None:
