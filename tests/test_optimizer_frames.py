@@ -75,11 +75,12 @@ class _Prox:
         return inv_slope
 
 
-def _params(n: int, pinned: bool) -> list[nn.Parameter]:
+def _params(n: int, pinned: bool, shapes: int = 1) -> list[nn.Parameter]:
     torch.manual_seed(0)
-    params = [nn.Parameter(distribute_tensor(torch.randn(16, 8), mesh_1d(), [Shard(0)])) for _ in range(n)]
+    rows = [16 * (1 + i % shapes) for i in range(n)]
+    params = [nn.Parameter(distribute_tensor(torch.randn(r, 8), mesh_1d(), [Shard(0)])) for r in rows]
     for p in params:
-        p.grad = distribute_tensor(torch.randn(16, 8), mesh_1d(), [Shard(0)])
+        p.grad = distribute_tensor(torch.randn(p.shape), mesh_1d(), [Shard(0)])
         if pinned:
             # what Dynamo does to the parameters of an optimizer whose step it traced
             torch._dynamo.mark_static_address(p, guard=True)
@@ -129,11 +130,11 @@ class _Recording:
         return self.inner(gm, example_inputs)
 
 
-def _run(impl: str, inner: str | None, n: int, *, pinned: bool, sgd: bool = False, steps=(0, 1, 2)):
+def _run(impl: str, inner: str | None, n: int, *, pinned: bool, sgd: bool = False, steps=(0, 1, 2), shapes=1):
     """(graphs, graph breaks, results per step, final local shards, frames at LocalMap.__call__)."""
     torch._dynamo.reset()
     counters.clear()
-    params = _params(n, pinned)
+    params = _params(n, pinned, shapes)
     base = torch.optim.SGD(params, lr=0.1) if sgd else None
     step = _step_fn(impl, params, base)
     rec = None
@@ -184,6 +185,19 @@ def test_parq_shaped_step_matches_upstream_compiled(inner, pinned):
     _assert_same(upstream, eager)  # upstream is bitwise eager here: so must ours be
     _assert_same(ours, upstream)
     assert ours[0] <= upstream[0] and ours[1] <= upstream[1], (ours[:2], upstream[:2])
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+def test_parameters_of_three_shapes(pinned):
+    """Shapes that change from call to call: the frame at the call reaches
+    automatic dynamic shapes, where torch 2.14.1's DTensor runtime fails
+    (``TypeError: only integer tensors of a single element can be converted
+    to an index`` in ``DTensor.__tensor_unflatten__``); such a frame runs the
+    call in eager."""
+    upstream = _run("torch", "aot_eager", 6, pinned=pinned, shapes=3)
+    ours = _run("ours", "aot_eager", 6, pinned=pinned, shapes=3)
+    assert ours[0] <= upstream[0] and ours[1] <= upstream[1], (ours[:2], upstream[:2])
+    _assert_same(ours, upstream)
 
 
 def test_step_after_a_traced_base_optimizer():

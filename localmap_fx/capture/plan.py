@@ -125,6 +125,20 @@ def _values(vt) -> list | None:
     return values
 
 
+def _tensor_values(vt) -> list:
+    """The fake values of a tuple/list variable's tensor items."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    values = []
+    for item in getattr(vt, "items", None) or ():
+        item = realized(item)
+        if isinstance(item, TensorVariable):
+            v = node_value(item.as_proxy().node)
+            if isinstance(v, torch.Tensor):
+                values.append(v)
+    return values
+
+
 def _local_map(ctx):
     from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
 
@@ -161,9 +175,10 @@ def check_meshes(ctx) -> None:
 def pinned_root_call(ctx) -> None:
     """comptime, in ``LocalMap.__call__``: True when that call is the root of
     the frame Dynamo compiles and one of its arguments is a tensor Dynamo pins
-    by identity (Note: [A frame that starts at a local_map call] in
-    :mod:`localmap_fx.api`).  Reads the frame's real arguments, not Dynamo's
-    variables, so that it installs no guard."""
+    by identity, or has a symbolic size (Note: [A frame that starts at a
+    local_map call] in :mod:`localmap_fx.api`).  Pinning is read from the
+    frame's real arguments, not Dynamo's variables, so that it installs no
+    guard."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._dynamo.utils import get_static_address_type
 
@@ -174,7 +189,14 @@ def pinned_root_call(ctx) -> None:
     args = tx.f_locals.get("args", ())
     kwargs = tx.f_locals.get("kwargs", {})
     leaves = pytree.tree_leaves((args, kwargs))
-    handoff.put(any(get_static_address_type(leaf) == "guarded" for leaf in leaves))
+    if any(get_static_address_type(leaf) == "guarded" for leaf in leaves):
+        handoff.put(True)
+        return
+    # Automatic dynamic shapes made a size symbolic: torch 2.14.1's DTensor
+    # runtime fails such a frame (``__tensor_unflatten__``); eager, as above.
+    # (Building the arguments' variables here installs the guards the frame
+    # installs anyway: shapes, not identity.)
+    handoff.put(any(not _static(t) for t in _tensor_values(local_vt(ctx, "args"))))
 
 
 def put_identity(ctx) -> None:
