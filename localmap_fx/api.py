@@ -213,14 +213,20 @@ _OWN_FIELDS = frozenset(
 #     frame reads only the body (``self.func``, guarded like any callable)
 #     and calls :func:`_call_outside_dynamo`, which runs the eager path with
 #     Dynamo off (checks, ``to_local``, the body, ``from_local``: eager's
-#     results, bitwise).  Arguments that are ordinary tensors, and every call
-#     Dynamo inlines into a larger frame, are captured as before.
-@torch._dynamo.disable(reason="a local_map frame whose arguments Dynamo pins by identity runs in eager")
+#     results, bitwise).  A root frame whose arguments have symbolic sizes
+#     (automatic dynamic shapes after calls of other shapes) goes the same
+#     way: torch 2.14.1's DTensor runtime fails such a frame
+#     (``DTensor.__tensor_unflatten__``: "only integer tensors of a single
+#     element can be converted to an index").  Arguments that are ordinary
+#     tensors of static shapes, and every call Dynamo inlines into a larger
+#     frame, are captured as before.  (``fullgraph=True`` on a frame that
+#     starts at such a call is therefore a graph-break error.)
+@torch._dynamo.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
 def _leave_frame(func: Callable) -> None:
     pass
 
 
-@torch._dynamo.disable(reason="a local_map frame whose arguments Dynamo pins by identity runs in eager")
+@torch._dynamo.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
 def _call_outside_dynamo(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     return lm(*args, **kwargs)
 
