@@ -152,8 +152,19 @@ class LocalMap:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            from .capture.call import call_captured
+            from torch._dynamo.comptime import comptime
 
+            from .capture.call import call_captured
+            from .capture.handoff import taken
+            from .capture.plan import pinned_root_call
+
+            # Note: [A frame that starts at a local_map call]
+            comptime(pinned_root_call)  # reads the root frame's real ``args``
+            if taken():
+                # a graph break; the frame so far guards on the body only
+                _leave_frame(self.func)
+                torch._dynamo.skip_frame()  # that frame (and only it) is never traced
+                return _call_outside_dynamo(self, args, kwargs)
             return call_captured(self, args, kwargs)
         plan = self._eager_plan
         if plan is not None:
@@ -192,6 +203,40 @@ _OWN_FIELDS = frozenset(
      "redistribute_inputs", "spmd_types", "out_specs", "param_names", "spec_annotation",
      "_eager_plan", "_capture_annotations")
 )
+
+
+# Note: [A frame that starts at a local_map call]
+#     When the code calling a ``local_map`` runs in eager (a loop that graph
+#     breaks per parameter, as optimizers' loops do), Dynamo compiles
+#     ``LocalMap.__call__`` as a frame of its own.  If an argument is a tensor
+#     Dynamo pins by identity (``mark_static_address(guard=True)``: Dynamo
+#     marks every parameter, gradient and state tensor of an optimizer whose
+#     ``step`` it traced), Dynamo's VariableBuilder installs it as a graph
+#     constant with an ``ID_MATCH`` guard (torch/_dynamo/variables/builder.py,
+#     ``wrap_tensor``), whatever the frame does with it: such a frame
+#     recompiles for every parameter, reaches automatic dynamic shapes on the
+#     third compile (one code object serves every ``local_map``) and then
+#     ``recompile_limit``.  torch's own ``local_map`` frame graph-breaks
+#     and runs its boundary in eager.  So such a call is not traced: the root
+#     frame reads only the body (``self.func``, guarded like any callable)
+#     and calls :func:`_call_outside_dynamo`, which runs the eager path with
+#     Dynamo off (checks, ``to_local``, the body, ``from_local``: eager's
+#     results, bitwise).  A root frame whose arguments have symbolic sizes
+#     (automatic dynamic shapes after calls of other shapes) goes the same
+#     way: torch 2.14.1's DTensor runtime fails such a frame
+#     (``DTensor.__tensor_unflatten__``: "only integer tensors of a single
+#     element can be converted to an index").  Arguments that are ordinary
+#     tensors of static shapes, and every call Dynamo inlines into a larger
+#     frame, are captured as before.  (``fullgraph=True`` on a frame that
+#     starts at such a call is therefore a graph-break error.)
+@torch._dynamo.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
+def _leave_frame(func: Callable) -> None:
+    pass
+
+
+@torch._dynamo.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
+def _call_outside_dynamo(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    return lm(*args, **kwargs)
 
 
 def _register_body(func: Callable) -> int | None:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from .. import argtree, validate
+from .._pytree import pytree
 from ..boundary import check_arg_meshes
 from ..errors import compile_time
 from ..graph_utils import node_value
@@ -62,7 +63,7 @@ from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from . import handoff
 from .handoff import local_vt, realized
 
-__all__ = ["check_meshes", "plan_call", "plan_outputs", "put_identity"]
+__all__ = ["check_meshes", "pinned_root_call", "plan_call", "plan_outputs", "put_identity"]
 
 
 # Note: [Constants handed to the trace are private copies]
@@ -125,6 +126,20 @@ def _values(vt) -> list | None:
     return values
 
 
+def _tensor_values(vt) -> list:
+    """The fake values of a tuple/list variable's tensor items."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    values = []
+    for item in getattr(vt, "items", None) or ():
+        item = realized(item)
+        if isinstance(item, TensorVariable):
+            v = node_value(item.as_proxy().node)
+            if isinstance(v, torch.Tensor):
+                values.append(v)
+    return values
+
+
 def _local_map(ctx):
     from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
 
@@ -154,6 +169,33 @@ def check_meshes(ctx) -> None:
         _put(handoff.Raise(compile_time(e)))
         return
     _put(None)
+
+
+def pinned_root_call(ctx) -> None:
+    """comptime, in ``LocalMap.__call__``: True when that call is the root of
+    the frame Dynamo compiles and one of its arguments is a tensor Dynamo pins
+    by identity, or has a symbolic size (Note: [A frame that starts at a
+    local_map call] in :mod:`localmap_fx.api`).  Pinning is read from the
+    frame's real arguments, not Dynamo's variables, so that it installs no
+    guard."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.utils import get_static_address_type
+
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    if type(tx) is not InstructionTranslator:
+        handoff.put(False)  # inlined into a larger frame: captured as usual
+        return
+    args = tx.f_locals.get("args", ())
+    kwargs = tx.f_locals.get("kwargs", {})
+    leaves = pytree.tree_leaves((args, kwargs))
+    if any(get_static_address_type(leaf) == "guarded" for leaf in leaves):
+        handoff.put(True)
+        return
+    # Automatic dynamic shapes made a size symbolic: torch 2.14.1's DTensor
+    # runtime fails such a frame (``__tensor_unflatten__``); eager, as above.
+    # (Building the arguments' variables here installs the guards the frame
+    # installs anyway: shapes, not identity.)
+    handoff.put(any(not _static(t) for t in _tensor_values(local_vt(ctx, "args"))))
 
 
 def put_identity(ctx) -> None:

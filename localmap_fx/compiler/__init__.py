@@ -9,6 +9,7 @@ repeated layer is :mod:`localmap_fx.layer_sharing`.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,17 +29,42 @@ __all__ = [
 ]
 
 
+# Note: [One backend object per options]
+#     Dynamo keeps, with every compiled frame, the backend that compiled it,
+#     and reuses the frame only under that same object (its BACKEND_MATCH
+#     check compares the callables, torch/_dynamo/guards.py).  Code that
+#     writes ``block.compile(backend=localmap_fx.backend(...))`` per block
+#     builds one backend per block; were each a new function, every block
+#     would recompile the frame the previous block compiled.  So ``backend``
+#     returns the same object for equal options (BackendOptions is a frozen
+#     dataclass: equal fields, equal options; callbacks compare by
+#     identity).  The table holds its backends weakly: Dynamo's caches keep a
+#     backend in use alive, and a dropped one is built again on demand.
+_BACKENDS: weakref.WeakValueDictionary[BackendOptions, Callable] = weakref.WeakValueDictionary()
+
+
 def backend(inner: str = "inductor", **options: Any) -> Callable:
     """A Dynamo backend: ``torch.compile(model, backend=localmap_fx.backend(...))``.
 
-    ``options`` are the fields of :class:`BackendOptions`.
+    ``options`` are the fields of :class:`BackendOptions`.  Equal options
+    give the same backend object (Note: [One backend object per options]),
+    so frames compiled with one are reused with the other.
     """
     try:
         opts = BackendOptions(inner=inner, **options)
     except TypeError as e:
         fields = [f.name for f in dataclasses.fields(BackendOptions)]
         raise TypeError(f"{e}; localmap_fx.backend accepts {fields}") from None
+    try:
+        made = _BACKENDS.get(opts)
+    except TypeError:  # an option value that cannot be hashed: a backend of its own
+        return _make_backend(opts)
+    if made is None:
+        made = _BACKENDS[opts] = _make_backend(opts)
+    return made
 
+
+def _make_backend(opts: BackendOptions) -> Callable:
     def localmap_fx(gm: fx.GraphModule, example_inputs: Sequence[Any]):
         return compile_graph(gm, example_inputs, opts)
 
