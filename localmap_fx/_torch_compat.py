@@ -20,6 +20,10 @@ table documents them and the test checks each still exists.  We only read
 them: localmap_fx never writes a torch object's private attribute.
 """
 
+# The imports under TYPE_CHECKING only give type checkers the real types of
+# the names __getattr__ serves; nothing in this file uses them.
+# ruff: noqa: F401
+
 from __future__ import annotations
 
 import functools
@@ -266,5 +270,5 @@ if TYPE_CHECKING:
     from torch.fx.passes.reinplace import _is_view_op as is_view_op
     from torch.overrides import _is_torch_function_mode_enabled as is_torch_function_mode_enabled
     from torch.utils._debug_mode import DebugMode
-    from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+    from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
