@@ -169,6 +169,8 @@ SYMBOLS: tuple[Symbol, ...] = (
            CHECKED, "a repeated region is not reused under LocalTensorMode"),
     Symbol("maybe_disable_local_tensor_mode", "torch.distributed._local_tensor",
            "maybe_disable_local_tensor_mode", CHECKED, "the DTensor oracle runs outside LocalTensorMode"),
+    Symbol("is_spmd_types_available", "torch.distributed", "_is_spmd_types_available", CHECKED,
+           "spmd_types=True needs the package exactly when torch's local_map does"),
     Symbol("resolve_process_group", "torch.distributed.distributed_c10d", "_resolve_process_group", CHECKED,
            "a collective's group name becomes the mesh axis it runs over"),
     Symbol("ToTorchTensor", f"{_DT}._api", "_ToTorchTensor", CHECKED,
@@ -254,6 +256,7 @@ if TYPE_CHECKING:
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.autograd.function import _is_setup_context_defined as is_setup_context_defined
+    from torch.distributed import _is_spmd_types_available as is_spmd_types_available
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed._local_tensor import get_local_tensor_mode_list, maybe_disable_local_tensor_mode
     from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
