@@ -199,6 +199,11 @@ PRIVATE_ATTRIBUTES: tuple[PrivateAttribute, ...] = (
     PrivateAttribute("_local_tensor", f"{_DT}.DTensor", CHECKED,
                      "the local shard without DTensor.to_local's autograd node (no grad, fake values)"),
     PrivateAttribute("_spec", f"{_DT}.DTensor", CHECKED, "an argument's mesh and placements in one read"),
+    PrivateAttribute("_is_param", "torch.nn.Parameter", CHECKED,
+                     "a tensor subclass made a Parameter (a DTensor weight) carries it; eager's fast path "
+                     "leaves those to the full path"),
+    PrivateAttribute("_dim_group_names", "torch.distributed.device_mesh.DeviceMesh", CHECKED,
+                     "a mesh's process groups are part of its structural key"),
     PrivateAttribute("_schema", "torch._ops.OpOverload", CHECKED, "an op's arguments by schema name"),
     PrivateAttribute("_opname", "torch._ops.OpOverload", CHECKED, "a collective's short name in the dump"),
     PrivateAttribute("_qualified_op_name", "torch._ops.OpOverloadPacket", CHECKED,

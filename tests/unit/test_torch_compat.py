@@ -20,6 +20,8 @@ import torch
 
 from localmap_fx import _torch_compat as compat
 
+from helpers import mesh_1d
+
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "localmap_fx")
 
 # Files other branches were editing while the call sites moved to
@@ -176,10 +178,17 @@ def _owner(dotted: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 # Owners whose private attribute is set per instance: one instance each.
 _INSTANCES = {
     "torch._ops.OpOverload": lambda: torch.ops.aten.add.Tensor,
     "torch._ops.OpOverloadPacket": lambda: torch.ops.aten.add,
+    # a subclass instance, as a DTensor weight is (a plain tensor's Parameter has no flag)
+    "torch.nn.Parameter": lambda: torch.nn.Parameter(torch.zeros(1).as_subclass(_Subclass)),
+    "torch.distributed.device_mesh.DeviceMesh": mesh_1d,
 }
 
 
