@@ -73,12 +73,11 @@ def _register_backend() -> None:
 
     if any(ep.name == "localmap_fx" for ep in entry_points(group="torch_dynamo_backends")):
         return
-    from torch._dynamo.backends import registry
-
+    from ._torch_compat import register_backend, registered_backends
     from .compiler import localmap_fx_backend
 
-    if "localmap_fx" not in registry._BACKENDS:
-        registry.register_backend(name="localmap_fx")(localmap_fx_backend)
+    if "localmap_fx" not in registered_backends:
+        register_backend(name="localmap_fx")(localmap_fx_backend)
 
 
 _register_backend()

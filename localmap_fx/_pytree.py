@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 try:
-    from torch.utils import _cxx_pytree as pytree
+    from ._torch_compat import cxx_pytree as pytree
 except ImportError:  # optree is not installed
-    from torch.utils import _pytree as pytree  # type: ignore[no-redef]
+    from ._torch_compat import pytree  # type: ignore[no-redef]
 
 __all__ = ["pytree", "flatten_args", "unflatten_args"]
 

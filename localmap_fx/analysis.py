@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._python_dispatch
 
+from ._torch_compat import TorchDispatchMode
 from .graph_utils import node_value, schema_args
 
 __all__ = [
@@ -263,7 +263,7 @@ class Effects:
         return next((i for o, kind, i in self.output_aliases if o == j and kind == "input"), None)
 
 
-class _WriteRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+class _WriteRecorder(TorchDispatchMode):
     """Records every aten op whose schema writes an argument living in a
     ``known`` storage (an input's or an earlier node's value), with that storage.
 
@@ -344,8 +344,7 @@ def find_effects(graph: fx.Graph, owner: torch.nn.Module, values: Sequence[Any])
     """Run ``graph`` once on fresh fakes like ``values`` (one per placeholder)
     and report its :class:`Effects` (Note: [Deciding that a body writes to or
     aliases an input]).  ``owner`` holds its ``get_attr`` targets."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ._torch_compat import FakeTensorMode, detect_fake_mode
 
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=True)

@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._api import _normalize_placements_for_grad
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from . import validate
+from ._torch_compat import normalize_placements_for_grad
 from .region import placements_str
 
 __all__ = [
@@ -143,7 +143,7 @@ def explicit_grad(placements: Placements, grad: Sequence[Placement] | None) -> P
     """``grad``, or DTensor's default for ``placements`` (Partial -> Replicate) written out."""
     if grad is not None:
         return tuple(grad)
-    return tuple(_normalize_placements_for_grad(placements))
+    return tuple(normalize_placements_for_grad(placements))
 
 
 def check_arg_meshes(

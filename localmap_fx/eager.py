@@ -56,14 +56,19 @@ from typing import TYPE_CHECKING, Any
 from weakref import ref as _weakref
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._api import _FromTorchTensor, _ToTorchTensor
-from torch.distributed.tensor._utils import assert_no_mixed_partial_types, compute_global_tensor_info
-from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 from . import validate
 from ._pytree import _LEAF_TYPES, flatten_args, pytree, unflatten_args
+from ._torch_compat import (
+    AsyncCollectiveTensor,
+    FromTorchTensor,
+    StridedShard,
+    ToTorchTensor,
+    assert_no_mixed_partial_types,
+    compute_global_tensor_info,
+)
 from .boundary import ArgBoundary, BoundaryPlan, input_grad
 from .meshcache import MeshCache
 from .shapes import contiguous_stride, output_global_shape
@@ -76,8 +81,8 @@ __all__ = ["EagerPlan", "CallLayout", "MISS", "call_eager", "call_fast", "wrap_o
 _Tensor = torch.Tensor
 _Size = torch.Size
 _is_grad_enabled = torch.is_grad_enabled
-_to_local_fn = _ToTorchTensor.apply
-_from_local_fn = _FromTorchTensor.apply
+_to_local_fn = ToTorchTensor.apply
+_from_local_fn = FromTorchTensor.apply
 _from_local = DTensor.from_local
 
 
@@ -99,7 +104,7 @@ def _from_local_ready(spec: Any) -> tuple | None:
     for p in spec:
         if not isinstance(p, Placement):
             return None
-        if isinstance(p, (Shard, _StridedShard)) and p.dim < 0:
+        if isinstance(p, (Shard, StridedShard)) and p.dim < 0:
             return None
     spec = tuple(spec)
     try:

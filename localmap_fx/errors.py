@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch._dynamo.exc import ShortenTraceback
+    from ._torch_compat import ShortenTraceback
 
 __all__ = ["region_error", "compile_time"]
 
 
 def _shorten_traceback() -> type[ShortenTraceback]:
-    from torch._dynamo.exc import ShortenTraceback
+    from ._torch_compat import ShortenTraceback
 
     return ShortenTraceback
 

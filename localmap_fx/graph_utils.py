@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._torch_compat import OpOverload, OpOverloadPacket
+
 __all__ = [
     "node_value",
     "binds_unbacked_symbols",
@@ -129,9 +131,9 @@ def funcol_op(target: Any) -> tuple[str, str] | None:
     Ops that move no data (:data:`NON_COLLECTIVE_OPS`) are included: the SPMD
     rules need them; :func:`is_collective` leaves them out.
     """
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         qualified = target._schema.name
-    elif isinstance(target, torch._ops.OpOverloadPacket):
+    elif isinstance(target, OpOverloadPacket):
         qualified = target._qualified_op_name
     else:
         return None
@@ -173,9 +175,10 @@ def is_from_local(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._api import from_local
 
-    return node.target in (DTensor.from_local, from_local)
+    from ._torch_compat import dtensor_from_local
+
+    return node.target in (DTensor.from_local, dtensor_from_local)
 
 
 # --- meshes and modules -----------------------------------------------------------
@@ -250,7 +253,7 @@ def nested_graphs(gm: fx.GraphModule, enter: Callable[[fx.Node], bool] = lambda 
 def schema_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """``name -> value`` of the arguments of a call of the ATen op ``op`` (an
     overload, or a packet: its ``default`` schema), named by the op's schema."""
-    schema = op._schema if isinstance(op, torch._ops.OpOverload) else op.default._schema
+    schema = op._schema if isinstance(op, OpOverload) else op.default._schema
     bound: dict[str, Any] = {}
     for i, a in enumerate(schema.arguments):
         if i < len(args):

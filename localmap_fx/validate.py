@@ -214,9 +214,9 @@ def check_non_tensor_input(arg: Any, idx: int, spec: Any) -> None:
 
 def check_spmd_types_available() -> None:
     """spmd_types=True with a DTensor argument needs the spmd_types package."""
-    import torch.distributed as dist
+    from ._torch_compat import is_spmd_types_available
 
-    if not dist._is_spmd_types_available():
+    if not is_spmd_types_available():
         raise with_hint(RuntimeError(
             "spmd_types=True requires the spmd_types package to be installed"
             ), "install it (pip install spmd-types==0.3.1) or call "

@@ -72,8 +72,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 
+from .._torch_compat import FakeTensor, get_current_graph_task_keep_graph
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class _Variant:
 
 
 def _spec(mesh, placements, shape, stride, dtype):
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from .._torch_compat import DTensorSpec, TensorMeta
 
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
 
@@ -216,7 +216,8 @@ def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slo
 def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list[_Slot], list[_Slot]] | Refusal:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    from .._torch_compat import is_traceable_wrapper_subclass
 
     # The specs built here are given to every DTensor the border makes, so
     # their mesh must be the user's object: a traced value's mesh can be a
@@ -413,8 +414,7 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
     (it must keep the AOT graphs: inductor or aot_eager).
     """
-    from torch._guards import detect_fake_mode
-
+    from .._torch_compat import detect_fake_mode
     from ..graph_utils import node_value
 
     if not torch.is_grad_enabled():
@@ -518,7 +518,7 @@ class _BorderFunction(torch.autograd.Function):
                           else g.redistribute(g.device_mesh, first.tangents[i])
                           for i, g in enumerate(grads))
         layer = variant.layer
-        if layer.donates_buffers and torch._C._autograd._get_current_graph_task_keep_graph():
+        if layer.donates_buffers and get_current_graph_task_keep_graph():
             raise RuntimeError(_DONATED)
         tensors = iter(ctx.saved_tensors)
         saved = [next(tensors) if v is _TENSOR else v for v in ctx.others]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._torch_compat import HigherOrderOperator
 from ..graph_utils import call_site_of, custom_meta, is_collective, node_value, schema_args, subgraph_calls
 from ..region import META_INDEX, META_REGION_ID, META_ROLE, META_SPEC
 from .tables import size_value, tensor_desc
@@ -54,7 +55,7 @@ def _walk(gm: fx.GraphModule, outer: fx.Node | None = None, depth: int = 0):
     """(node, enclosing call) for every node, descending into subgraphs at each call."""
     for node in gm.graph.nodes:
         yield node, outer
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) and depth < 8:
+        if node.op == "call_function" and isinstance(node.target, HigherOrderOperator) and depth < 8:
             for _, sub in subgraph_calls(gm, node):
                 yield from _walk(sub, outer or node, depth + 1)
 

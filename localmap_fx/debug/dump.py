@@ -117,7 +117,7 @@ class FrameFolder:
 
 
 def _frame_name() -> str:
-    from torch._guards import CompileContext
+    from .._torch_compat import CompileContext
 
     cid = CompileContext.current_compile_id()
     if cid is not None and cid.frame_id is not None:

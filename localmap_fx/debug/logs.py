@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import torch
+from .._torch_compat import getArtifactLogger, trace_structured
 
 try:
     from _localmap_fx_logs import LOG_NAME, REGIONS_ARTIFACT, register
@@ -23,7 +23,7 @@ except ImportError:  # an install older than that module: `pip install -e .` aga
     LOG_NAME, REGIONS_ARTIFACT = "localmap_fx", "localmap_fx_regions"
 
     def register() -> None:
-        from torch._logging._internal import log_registry, register_artifact, register_log
+        from .._torch_compat import log_registry, register_artifact, register_log
 
         if not log_registry.is_log(LOG_NAME):
             register_log(LOG_NAME, LOG_NAME)
@@ -37,13 +37,13 @@ __all__ = ["REGIONS_ARTIFACT", "LOG_NAME", "tracing", "regions_logging", "trace_
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0) registering now still lets
 # torch._logging.set_logs(modules={"localmap_fx_regions": True}) enable it.
 register()
-_regions_log = torch._logging.getArtifactLogger(f"{LOG_NAME}.debug", REGIONS_ARTIFACT)
+_regions_log = getArtifactLogger(f"{LOG_NAME}.debug", REGIONS_ARTIFACT)
 
 
 def tracing() -> bool:
     """True when ``TORCH_TRACE`` (structured trace) output is being written."""
     try:
-        from torch._logging._internal import trace_log
+        from .._torch_compat import trace_log
     except ImportError:  # pragma: no cover - torch moved it; trace_structured still works
         return True
     # pytest's log capture attaches itself to every logger it sees, torch's
@@ -57,7 +57,7 @@ def regions_logging() -> bool:
 
 def trace_artifact(name: str, payload: Callable[[], str], encoding: str = "string") -> None:
     """One ``trace_structured`` artifact; ``payload`` runs only when tracing."""
-    torch._logging.trace_structured(
+    trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": f"localmap_fx_{name}", "encoding": encoding},
         payload_fn=payload,

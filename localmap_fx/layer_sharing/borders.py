@@ -206,7 +206,7 @@ def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> Pas
         x2 = from_local(t, mesh, (Replicate(),), grad_placements=(Partial(),))
         y = add(x2, f(t))                                # the layer reads t, a plain tensor
     """
-    from torch.distributed.tensor._api import from_local
+    from .._torch_compat import dtensor_from_local
 
     if not border_plan.steps:
         return PassResult(gm)
@@ -229,7 +229,7 @@ def apply_plain_borders(gm: fx.GraphModule, border_plan: PlainBorderPlan) -> Pas
         anchor.append(tl)
         with gm.graph.inserting_after(tl):
             dt = gm.graph.call_function(
-                from_local, (tl, mesh, tuple(node_value(v).placements)),
+                dtensor_from_local, (tl, mesh, tuple(node_value(v).placements)),
                 {"run_check": False, "grad_placements": step.grad_placements},
             )
         dt.meta = {k: val for k, val in v.meta.items() if k in ("example_value", "val", "tensor_meta", "stack_trace")}

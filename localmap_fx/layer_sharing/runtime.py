@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._torch_compat import get_current_graph_task_keep_graph
+
 if TYPE_CHECKING:
     import torch.fx as fx
 
@@ -150,7 +152,7 @@ def compile_with_metadata(compile_one: CompileOne, gm: fx.GraphModule, example: 
     ``fake_mode``: the examples' fake mode when the caller knows it (it is
     detected from ``example`` otherwise).  The one place that reads
     AOTAutograd's metadata back from a TracingContext."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from .._torch_compat import TracingContext, detect_fake_mode, tracing
 
     fake_mode = fake_mode if fake_mode is not None else detect_fake_mode(example)
     if fake_mode is None:
@@ -173,8 +175,7 @@ def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
     (a DTensor crossing the border) is flattened and rebuilt by
     AOTAutograd's runtime, so such a piece keeps it.
     """
-    from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from .._torch_compat import OutputType, PlainTensorMeta, functorch_config, is_traceable_wrapper_subclass
 
     crossing = sorted({type(v).__name__ for v in border if is_traceable_wrapper_subclass(v)})
     if crossing:
@@ -220,7 +221,7 @@ def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
     return CompiledLayer(fw, bw, n_outputs, tuple(layouts), tuple(types),
                          md.num_opaque_objects_saved_for_bw or 0, md.num_symints_saved_for_bw or 0,
                          None if owners == tuple(range(n_outputs)) else owners,
-                         bool(md.bw_donated_idxs) and torch._functorch.config.donated_buffer)
+                         bool(md.bw_donated_idxs) and functorch_config.donated_buffer)
 
 
 def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | Refusal:
@@ -322,7 +323,7 @@ class _RunFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         run: LayerRun = ctx.run
-        retain = torch._C._autograd._get_current_graph_task_keep_graph()
+        retain = get_current_graph_task_keep_graph()
         if retain and any(step.layer.donates_buffers for step in run.steps):
             raise RuntimeError(
                 "This backward function was compiled with non-empty donated buffers which requires "

@@ -87,13 +87,10 @@ def _plan_cached(mesh: DeviceMesh, key: _PlanKey) -> RedistributePlan:
 
 def _make_plan(mesh: DeviceMesh, key: _PlanKey) -> RedistributePlan:
     src, dst, shape, stride, dtype = key
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     # not torch's @cache'd _gen_transform_infos: it keeps every mesh it saw
     # alive (Note: [Caches keyed on a mesh]); plans are cached here instead
-    from torch.distributed.tensor._redistribute import (
-        _gen_transform_infos_non_cached as _gen_transform_infos,
-    )
+    from .._torch_compat import DTensorSpec, TensorMeta
+    from .._torch_compat import gen_transform_infos_non_cached as _gen_transform_infos
 
     meta = TensorMeta(torch.Size(shape), stride, dtype)
     if src == dst:

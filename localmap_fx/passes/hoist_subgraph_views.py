@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.reinplace import _is_view_op
 
+from .._torch_compat import is_view_op
 from ..graph_utils import node_value
 from . import PassResult
 
@@ -58,7 +58,7 @@ def _view_chain(sub: fx.GraphModule, out: object) -> tuple[int, tuple] | None:
     placeholders = list(sub.graph.find_nodes(op="placeholder"))
     chain: list[tuple[Any, tuple, tuple]] = []
     node = out
-    while isinstance(node, fx.Node) and node.op == "call_function" and _is_view_op(node.target):
+    while isinstance(node, fx.Node) and node.op == "call_function" and is_view_op(node.target):
         rest = node.args[1:]
         if _has_node(rest) or _has_node(node.kwargs):
             return None  # a view whose shape depends on other graph values: leave it

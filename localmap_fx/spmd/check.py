@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._torch_compat import FakeTensorMode, detect_fake_mode
 from ..errors import region_error
 from ..graph_utils import Frame, is_wrapper_frame, node_value, stack_frames
 from ..region import Region, index_of

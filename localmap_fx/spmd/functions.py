@@ -124,13 +124,13 @@ def function_classes(func: Any, depth: int = 3) -> list[type]:
 
 def apply_arity_matches(cls: Any, n_tensors: int) -> bool:
     """``cls.apply`` takes exactly ``n_tensors`` positional arguments."""
-    from torch.autograd.function import _is_setup_context_defined
+    from .._torch_compat import is_setup_context_defined
 
     try:
         params = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):
         return False
-    if not _is_setup_context_defined(cls.setup_context):
+    if not is_setup_context_defined(cls.setup_context):
         params = params[1:]  # ctx
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return False

@@ -42,9 +42,9 @@ from typing import Any
 
 import spmd_types as spmd
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from .._torch_compat import DisableTorchFunction, OpOverload, pytree
 from . import global_oracle, global_rules
 from .global_state import (
     REPLICATED,
@@ -139,7 +139,7 @@ _DUNDER = {
 
 def op_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or str(func)
-    if isinstance(func, torch._ops.OpOverload):
+    if isinstance(func, OpOverload):
         name = func._schema.name.split("::")[-1]
     if name.startswith("__") and name.endswith("__"):
         core = name[2:-2]
@@ -602,7 +602,7 @@ class _GlobalMode(torch.overrides.TorchFunctionMode):
         return out
 
 
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_NO_TORCH_FUNCTION = DisableTorchFunction
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:

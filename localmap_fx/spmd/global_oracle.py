@@ -30,12 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
-from torch.utils._debug_mode import DebugMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._torch_compat import DebugMode, DisableTorchFunction, TorchDispatchMode, pytree
 from .global_state import REPLICATED, DimState, Pending, Sharded
 
 __all__ = ["Redistribution", "Propagation", "propagate", "placement_of_state"]
@@ -182,15 +180,14 @@ def propagate(
 
 
 def _run_meta(func, leaves, spec, states, mesh_of) -> Propagation:
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-    from torch.utils._python_dispatch import _disable_current_modes
+    from .._torch_compat import disable_current_modes, maybe_disable_local_tensor_mode
 
     rec = _recorder()
     _FAKE_LOG.addFilter(_DROP)
     try:
         # no mode of the body's run (spmd_types' checker, FakeTensorMode, LocalTensorMode)
         # may see the meta run, nor the mesh slicing (tensor ops on the mesh's ranks)
-        with maybe_disable_local_tensor_mode(), _disable_current_modes(), torch._C.DisableTorchFunction():
+        with maybe_disable_local_tensor_mode(), disable_current_modes(), DisableTorchFunction():
             mesh = mesh_of()
             meta_leaves = []
             for x, s in zip(leaves, states):

@@ -66,9 +66,9 @@ from typing import Any
 
 import spmd_types as spmd
 import torch
-import torch.utils._pytree as pytree
 from spmd_types import I, P, R, V
 
+from .._torch_compat import DisableTorchFunction, FakeTensor, is_torch_function_mode_enabled, pytree
 from ..graph_utils import NON_COLLECTIVE_OPS, funcol_op, schema_args
 
 __all__ = [
@@ -268,9 +268,9 @@ def axis_of_group(group: Any):
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         return spmd.MeshAxis.of(group[0].get_group(group[1]))
     if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from .._torch_compat import resolve_process_group
 
-        return spmd.MeshAxis.of(_resolve_process_group(group))  # type: ignore[arg-type]  # GroupName is a str NewType
+        return spmd.MeshAxis.of(resolve_process_group(group))  # type: ignore[arg-type]  # GroupName is a str NewType
     if isinstance(group, dist.ProcessGroup):
         return spmd.MeshAxis.of(group)
     raise ValueError(
@@ -534,9 +534,9 @@ class _FuncolRules(torch.overrides.TorchFunctionMode):
 
 def _wait_issued(results: list) -> None:
     wait = torch.ops._c10d_functional.wait_tensor
-    with torch._C.DisableTorchFunction():
+    with DisableTorchFunction():
         for t in results:
-            if not isinstance(t, torch._subclasses.FakeTensor):
+            if not isinstance(t, FakeTensor):
                 try:
                     wait(t)
                 except Exception:  # noqa: BLE001 - already waited or freed: nothing pending
@@ -560,7 +560,7 @@ def _next_mode(func, args: tuple, kwargs: dict):
         So every call that is not ours is dispatched to the next mode exactly
         as torch would have dispatched it had this mode not been there.
     """
-    if torch.overrides._is_torch_function_mode_enabled():
+    if is_torch_function_mode_enabled():
         return torch.overrides.handle_torch_function(func, _tensor_leaves(args, kwargs), *args, **kwargs)
     return func(*args, **kwargs)
 

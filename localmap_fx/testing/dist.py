@@ -97,7 +97,8 @@ def _to_picklable(result: Any) -> Any:
     """Detach tensors and move them to CPU; refuse DTensors with a hint."""
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.utils import _pytree as pytree
+
+    from .._torch_compat import pytree
 
     def fix(x: Any) -> Any:
         if isinstance(x, DTensor):

@@ -49,13 +49,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from .._torch_compat import funcol
 from .llama import _rmsnorm, selective_checkpoint_context
 from .parallel import MeshLayout, ModelConfig, WeightInit, full_weights, local_map_impl, token_batch
 

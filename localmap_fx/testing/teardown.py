@@ -34,17 +34,17 @@ __all__ = ["wait_all", "unwaited_collectives", "shutdown", "exit_now", "main_gua
 
 def unwaited_collectives() -> int:
     """How many collective results this process issued and never waited for."""
-    import torch
+    from .._torch_compat import get_work_registry_size
 
-    return int(torch._C._distributed_c10d._get_work_registry_size())
+    return int(get_work_registry_size())
 
 
 def wait_all(tensors: Iterable[Any] = ()) -> None:
     """Wait for the collectives producing ``tensors`` (any nesting; others ignored)."""
     import torch
-    import torch.utils._pytree as pytree
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
+
+    from .._torch_compat import AsyncCollectiveTensor, pytree
 
     for t in pytree.tree_leaves(list(tensors)):
         if isinstance(t, DTensor):

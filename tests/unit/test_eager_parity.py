@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import (
 )
 from torch.utils import _pytree as pytree
 
+from localmap_fx import _torch_compat
 from localmap_fx import local_map as our_local_map
 
 from helpers import WORLD_SIZE, mesh_1d, mesh_2d
@@ -1163,7 +1164,9 @@ _MAYBE_NO_ERROR = {
 def test_spmd_types_unavailable(meshes, monkeypatch, spmd):
     """Without the spmd_types package, spmd_types=True fails at call time (only
     when a DTensor argument is present)."""
+    # torch's local_map asks torch.distributed, ours asks _torch_compat's row of the same function
     monkeypatch.setattr(torch.distributed, "_is_spmd_types_available", lambda: False)
+    monkeypatch.setattr(_torch_compat, "is_spmd_types_available", lambda: False)
     check_parity(
         _c(_one_dt(), _double, out_placements=[S0], in_placements=([S0],), spmd_types=spmd),
         meshes,

@@ -91,6 +91,8 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.passes",
         "localmap_fx.spmd.global_state",
     ),
+    # every private torch symbol goes through it, so it imports nothing of ours
+    ("localmap_fx._torch_compat",),
 ]
 RANK = {m: len(LAYERS) - i for i, layer in enumerate(LAYERS) for m in layer}
 

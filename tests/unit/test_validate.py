@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from localmap_fx import validate
+from localmap_fx import _torch_compat, validate
 
 from helpers import full_text, mesh_1d
 
@@ -106,7 +106,7 @@ def test_check_output_value(dt):
 
 def test_check_spmd_types_available(monkeypatch):
     validate.check_spmd_types_available()
-    monkeypatch.setattr(torch.distributed, "_is_spmd_types_available", lambda: False)
+    monkeypatch.setattr(_torch_compat, "is_spmd_types_available", lambda: False)
     with pytest.raises(RuntimeError, match="requires the spmd_types package"):
         validate.check_spmd_types_available()
 
