@@ -82,6 +82,16 @@ SYMBOLS: tuple[Symbol, ...] = (
            "registering twice raises, so the name is looked up first"),
     Symbol("comptime", "torch._dynamo.comptime", "comptime", CHECKED,
            "capture checks and plans a call on Dynamo's view of its locals, at trace time"),
+    Symbol("skip_frame", "torch._dynamo", "skip_frame", CHECKED,
+           "a frame that starts at a local_map call with pinned arguments is left untraced"),
+    Symbol("InstructionTranslator", "torch._dynamo.symbolic_convert", "InstructionTranslator", CHECKED,
+           "the root frame's real locals tell whether an argument is pinned (no guard added)"),
+    Symbol("get_static_address_type", "torch._dynamo.utils", "get_static_address_type", CHECKED,
+           "a tensor Dynamo pins by identity (optimizer state) is recognised"),
+    Symbol("dynamo_counters", "torch._dynamo.utils", "counters", CHECKED,
+           "the log line of a compile counts torch's cache hits and misses"),
+    Symbol("inductor_config", "torch._inductor", "config", CHECKED,
+           "the mesh stand-in is marked cacheable in a scoped config.patch"),
     Symbol("ShortenTraceback", "torch._dynamo.exc", "ShortenTraceback", CHECKED,
            "our compile-time errors subclass it, so Dynamo re-raises them untouched"),
     Symbol("ConstantVariable", "torch._dynamo.variables.constant", "ConstantVariable", CHECKED,
@@ -241,11 +251,14 @@ if TYPE_CHECKING:
     from torch._C import DisableTorchFunction
     from torch._C._autograd import _get_current_graph_task_keep_graph as get_current_graph_task_keep_graph
     from torch._C._distributed_c10d import _get_work_registry_size as get_work_registry_size
-    from torch._dynamo import assume_constant_result
+    from torch._dynamo import assume_constant_result, skip_frame
     from torch._dynamo.backends.registry import _BACKENDS as registered_backends
     from torch._dynamo.backends.registry import register_backend
     from torch._dynamo.comptime import comptime
     from torch._dynamo.exc import ShortenTraceback
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.utils import counters as dynamo_counters
+    from torch._dynamo.utils import get_static_address_type
     from torch._dynamo.variables.constant import ConstantVariable
     from torch._dynamo.variables.functions import UserFunctionVariable
     from torch._dynamo.variables.lists import TupleVariable
@@ -255,6 +268,7 @@ if TYPE_CHECKING:
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._guards import CompileContext, TracingContext, detect_fake_mode, tracing
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._logging import getArtifactLogger, trace_structured
     from torch._logging._internal import log_registry, register_artifact, register_log, trace_log

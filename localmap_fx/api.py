@@ -152,9 +152,8 @@ class LocalMap:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            from torch._dynamo.comptime import comptime
-
-            from .capture.call import call_captured
+            from ._torch_compat import comptime, skip_frame
+            from .capture.call import call_captured, call_outside_dynamo, leave_frame
             from .capture.handoff import taken
             from .capture.plan import pinned_root_call
 
@@ -162,9 +161,9 @@ class LocalMap:
             comptime(pinned_root_call)  # reads the root frame's real ``args``
             if taken():
                 # a graph break; the frame so far guards on the body only
-                _leave_frame(self.func)
-                torch._dynamo.skip_frame()  # that frame (and only it) is never traced
-                return _call_outside_dynamo(self, args, kwargs)
+                leave_frame(self.func)
+                skip_frame()  # that frame (and only it) is never traced
+                return call_outside_dynamo(self, args, kwargs)
             return call_captured(self, args, kwargs)
         plan = self._eager_plan
         if plan is not None:
@@ -229,14 +228,6 @@ _OWN_FIELDS = frozenset(
 #     tensors of static shapes, and every call Dynamo inlines into a larger
 #     frame, are captured as before.  (``fullgraph=True`` on a frame that
 #     starts at such a call is therefore a graph-break error.)
-@torch._dynamo.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
-def _leave_frame(func: Callable) -> None:
-    pass
-
-
-@torch._dynamo.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
-def _call_outside_dynamo(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
-    return lm(*args, **kwargs)
 
 
 def _register_body(func: Callable) -> int | None:
@@ -262,8 +253,7 @@ def _register_body(func: Callable) -> int | None:
 #     constants already; Dynamo guards on them as usual, so later calls reuse
 #     the compiled frame.
 def _traced_identity(func: Callable) -> tuple[str, str]:
-    from torch._dynamo.comptime import comptime
-
+    from ._torch_compat import comptime
     from .capture.handoff import taken
     from .capture.plan import put_identity
 

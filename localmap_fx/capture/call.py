@@ -33,16 +33,16 @@ Note: [spmd_types under compile]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._dynamo.comptime import comptime
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
 
 from .. import argtree, validate
 from .._pytree import flatten_args, pytree, unflatten_args
+from .._torch_compat import AsyncCollectiveTensor, assume_constant_result, comptime
 from ..boundary import check_arg_meshes
 from ..errors import compile_time
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
@@ -72,7 +72,7 @@ def _at_compile_time(check):
 
     run.__name__ = check.__name__
     run.__qualname__ = check.__qualname__
-    return torch._dynamo.assume_constant_result(run)
+    return assume_constant_result(run)
 
 
 _plan_inputs = _at_compile_time(validate.plan_inputs)
@@ -237,3 +237,16 @@ def _exit_traced(lm: LocalMap, annotation: dict, out: Any, mesh: Any, in_shapes:
         else:
             flat_dist.append(o)
     return pytree.tree_unflatten(flat_dist, out_spec)
+
+
+# Note: [A frame that starts at a local_map call] (api.py): called from
+# LocalMap.__call__ when that frame graph-breaks; disabled, so Dynamo guards
+# the frame on the body only and runs the call in eager.
+@torch.compiler.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
+def leave_frame(func: Callable) -> None:
+    pass
+
+
+@torch.compiler.disable(reason="a local_map frame with pinned or symbolic arguments runs in eager")
+def call_outside_dynamo(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    return lm(*args, **kwargs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from .._torch_compat import assume_constant_result
 
 __all__ = ["Raise", "put", "taken", "local_vt", "realized"]
 
@@ -40,7 +40,7 @@ def put(value: Any) -> None:
     _SLOT[:] = [value]
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def taken() -> Any:
     """The value the last comptime function put in the slot (see the Note)."""
     value = _SLOT.pop() if _SLOT else None

@@ -108,8 +108,7 @@ def _static(t: torch.Tensor) -> bool:
 def _values(vt) -> list | None:
     """The real values (fake tensors, constants) of a tuple/list variable's
     items, or None when one is neither."""
-    from torch._dynamo.variables.constant import ConstantVariable
-    from torch._dynamo.variables.tensor import TensorVariable
+    from .._torch_compat import ConstantVariable, TensorVariable
 
     values = []
     for item in getattr(vt, "items", None) or ():
@@ -128,7 +127,7 @@ def _values(vt) -> list | None:
 
 def _tensor_values(vt) -> list:
     """The fake values of a tuple/list variable's tensor items."""
-    from torch._dynamo.variables.tensor import TensorVariable
+    from .._torch_compat import TensorVariable
 
     values = []
     for item in getattr(vt, "items", None) or ():
@@ -141,7 +140,7 @@ def _tensor_values(vt) -> list:
 
 
 def _local_map(ctx):
-    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+    from .._torch_compat import UserDefinedObjectVariable
 
     vt = local_vt(ctx, "lm")
     if type(vt) is not UserDefinedObjectVariable or getattr(vt, "source", None) is None:
@@ -153,7 +152,7 @@ def check_meshes(ctx) -> None:
     """comptime, traced path: raise (through :func:`taken`) if a DTensor in
     the local ``flat_args`` is not on ``lm.device_mesh``; ``"traced"`` when
     ``lm`` was built in the traced code and traced code has to check."""
-    from torch._dynamo.variables.tensor import TensorVariable
+    from .._torch_compat import TensorVariable
 
     lm = _local_map(ctx)
     if lm is None:
@@ -178,8 +177,7 @@ def pinned_root_call(ctx) -> None:
     local_map call] in :mod:`localmap_fx.api`).  Pinning is read from the
     frame's real arguments, not Dynamo's variables, so that it installs no
     guard."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    from torch._dynamo.utils import get_static_address_type
+    from .._torch_compat import InstructionTranslator, get_static_address_type
 
     tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
     if type(tx) is not InstructionTranslator:
@@ -242,7 +240,7 @@ def callable_identity(vt) -> tuple[str, str]:
 def plan_call(ctx) -> None:
     """comptime, before the region: the call's plan (see :func:`call_plan`),
     or None (take the traced path).  Reads locals ``lm`` and ``args``."""
-    from torch._dynamo.variables.lists import TupleVariable
+    from .._torch_compat import TupleVariable
 
     lm = _local_map(ctx)
     args_vt = local_vt(ctx, "args")
@@ -333,7 +331,7 @@ def plan_outputs(ctx) -> None:
     """comptime, after the body: ``(single, per output (placements, global
     shape or None, stride or None, annotation))``, or None (take the traced
     path).  Reads locals ``lm``, ``args``, ``flat_local`` and ``out``."""
-    from torch._dynamo.variables.tensor import TensorVariable
+    from .._torch_compat import TensorVariable
 
     lm = _local_map(ctx)
     out_vt = local_vt(ctx, "out")

@@ -57,9 +57,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dynamo.comptime import comptime
-from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
 
+from .._torch_compat import comptime, invoke_subgraph_placeholder
 from ..analysis import copy_nodes, find_effects, span_io, storage_key
 from ..graph_utils import node_value
 from . import handoff
@@ -195,9 +194,7 @@ def _storages(t: torch.Tensor) -> set:
 
 def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
     """The region key of this call (None: not shareable), its tensor arguments, the function."""
-    from torch._dynamo.variables.constant import ConstantVariable
-    from torch._dynamo.variables.functions import UserFunctionVariable
-    from torch._dynamo.variables.tensor import TensorVariable
+    from .._torch_compat import ConstantVariable, TensorVariable, UserFunctionVariable
 
     if _local_tensor_mode():
         # torch 2.14.1 has no invoke_subgraph rule for LocalTensor
@@ -246,7 +243,7 @@ def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
 
 def _local_tensor_mode() -> bool:
     try:
-        from torch.distributed._local_tensor import get_local_tensor_mode_list
+        from .._torch_compat import get_local_tensor_mode_list
     except ImportError:  # noqa: BLE001 - no LocalTensor in this build
         return False
     return bool(get_local_tensor_mode_list())
@@ -284,8 +281,7 @@ def _lookup(ctx) -> None:
 
 def _probe_end(ctx) -> None:
     """After an inline body: record whether later calls of its key may share it."""
-    from torch._dynamo.variables.lists import TupleVariable
-    from torch._dynamo.variables.tensor import TensorVariable
+    from .._torch_compat import TensorVariable, TupleVariable
 
     tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
     state = _state(tx)

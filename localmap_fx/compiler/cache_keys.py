@@ -100,7 +100,7 @@ def marked_cacheable(lifted: bool) -> contextlib.AbstractContextManager:
     ``unsafe_marked_cacheable_functions`` (so in every key of that compile)."""
     if not lifted:
         return contextlib.nullcontext()
-    from torch._inductor import config
+    from .._torch_compat import inductor_config as config
 
     return config.patch(unsafe_marked_cacheable_functions={
         **config.unsafe_marked_cacheable_functions, MESH_CONSTANT: KEY_VERSION})
@@ -238,7 +238,7 @@ class CacheCounts:
 
     @classmethod
     def now(cls) -> CacheCounts:
-        from torch._dynamo.utils import counters
+        from .._torch_compat import dynamo_counters as counters
 
         return cls(*(counters[group][name] for group, name in _COUNTERS))
 

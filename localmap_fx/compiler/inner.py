@@ -58,7 +58,8 @@ def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptio
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
                keep: Kept = None):
     from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from .._torch_compat import aot_module_simplified
 
     def recorder(kind: str):
         def compile_graph(g: fx.GraphModule, _inputs):
@@ -79,8 +80,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
               keep: Kept = None):
     import torch
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
     from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
     from . import cache_keys
@@ -108,8 +109,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys
                           else (gm, list(example_inputs), ()))
     before = cache_keys.CacheCounts.now()
-    with _backward_now(keep), torch._functorch.config.patch(
-            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not no_aot_cache), \
+    with _backward_now(keep), functorch_config.patch(
+            enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
             cache_keys.marked_cacheable(bool(lifted)):
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
@@ -119,7 +120,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
 def _backward_now(keep: Kept):
     import contextlib
 
-    import torch._functorch.config as functorch_config
+    from .._torch_compat import functorch_config
 
     if keep is None:
         return contextlib.nullcontext()

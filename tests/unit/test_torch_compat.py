@@ -24,14 +24,6 @@ from helpers import mesh_1d
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "localmap_fx")
 
-# Files other branches were editing while the call sites moved to
-# _torch_compat; their symbols are already rows of the table, and the lead
-# empties this list when migrating them after the merge.
-NOT_YET_MIGRATED = (
-    "capture",  # the whole subpackage
-    "api.py",
-    os.path.join("compiler", "inner.py"),
-)
 
 
 def _torch_base_version() -> str:
@@ -160,11 +152,9 @@ def _package_files() -> list[str]:
 
 
 def test_no_private_torch_name_outside_torch_compat():
-    for rel in NOT_YET_MIGRATED:
-        assert os.path.exists(os.path.join(ROOT, rel)), f"{rel} is gone: drop it from NOT_YET_MIGRATED"
     found = {}
     for rel in _package_files():
-        if rel == "_torch_compat.py" or any(rel == p or rel.startswith(p + os.sep) for p in NOT_YET_MIGRATED):
+        if rel == "_torch_compat.py":
             continue
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
             uses = private_torch_uses(f.read())
