@@ -23,7 +23,11 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
     split_layers         one piece per layer, pieces with one key compiled once
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
-                         hoist_subgraph_views
+                         hoist_subgraph_views; a graph with DTensor inputs or
+                         outputs compiled whole runs behind the lean DTensor
+                         border (compiler/dtensor_border.py) unless it refuses;
+                         with stable_cache_keys the mesh inputs leave the graph
+                         handed to AOTAutograd (compiler/cache_keys.py)
     layer_runs           consecutive shared layers run as one LayerRun
                          (layer_sharing/runs.py)
 
