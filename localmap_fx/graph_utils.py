@@ -38,6 +38,7 @@ import torch.fx as fx
 from ._torch_compat import OpOverload, OpOverloadPacket
 
 __all__ = [
+    "is_input_to_local",
     "node_value",
     "binds_unbacked_symbols",
     "custom_meta",
@@ -164,6 +165,11 @@ def is_method(node: fx.Node, name: str) -> bool:
 
 def is_to_local(node: fx.Node) -> bool:
     return is_method(node, "to_local")
+
+
+def is_input_to_local(node: fx.Node) -> bool:
+    """``to_local`` of one of the graph's own inputs (a placeholder)."""
+    return is_to_local(node) and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
 
 
 def is_redistribute(node: fx.Node) -> bool:

@@ -484,7 +484,15 @@ class _BorderFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         return results
 
+    # Note: [A compiled backward is no frame for Dynamo]
+    #     The autograd engine runs this on the thread that called backward(),
+    #     and a backward() that a compiled frame graph-broke on (a whole
+    #     training step compiled) runs with Dynamo's frame hook still set:
+    #     Dynamo then traced this code and Inductor's output code under it
+    #     (a graph of its in-place all_reduce_, which AOTAutograd refuses).
+    #     AOTAutograd's own runtime lives in torch files Dynamo skips.
     @staticmethod
+    @torch.compiler.disable(reason="a compiled graph's backward runs as compiled")
     def backward(ctx, *grads: Any):
         from torch.distributed.tensor import DTensor
 

@@ -57,11 +57,17 @@ def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptio
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
                keep: Kept = None):
+    import torch
     from functorch.compile import make_boxed_func
 
     from .._torch_compat import aot_module_simplified
 
     def recorder(kind: str):
+        # Note: [A lazy backward compile is no frame for Dynamo]
+        #     AOTAutograd compiles a backward at its first call: inside a
+        #     backward() that a compiled step graph-broke on, Dynamo's frame
+        #     hook is still set and traced this callback (a graph break in it).
+        @torch.compiler.disable(reason="compiling a graph is no user code")
         def compile_graph(g: fx.GraphModule, _inputs):
             observer.aot_graph(kind, g)
             compiled = make_boxed_func(g.forward)
@@ -86,6 +92,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
     from . import cache_keys
 
+    @torch.compiler.disable(reason="compiling a graph is no user code")  # Note: [A lazy backward compile is no frame for Dynamo]
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         # The AOT-graph stage of the pipeline (see compiler.pipeline.STAGES):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import is_to_local, node_value
+from ..graph_utils import is_input_to_local, node_value
 from ..passes import PassResult
 from .plan import digest
 from .runs import chain_layer_runs, find_layer_runs, runs_of
@@ -122,8 +122,7 @@ def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileO
 def only_unwraps(sub: fx.GraphModule) -> bool:
     """Does ``sub`` do nothing but ``to_local`` of its inputs?"""
     body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
-    return bool(body) and all(is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
-                              for n in body)
+    return bool(body) and all(is_input_to_local(n) for n in body)
 
 
 def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, unwraps: CompileOne | None = None,

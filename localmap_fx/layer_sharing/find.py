@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from ..analysis import Effects, copy_nodes, find_effects, span_io, structural_key
-from ..graph_utils import fetch_attr, is_symbolic, is_to_local, node_value
+from ..graph_utils import fetch_attr, is_input_to_local, is_symbolic, node_value
 from ..passes.inline_marked_blocks import marked_calls_of
 from ..region import find_regions
 from .plan import LayerPlan, LayerSpan, compute_nodes
@@ -173,10 +173,6 @@ def _align_to_majority(gm, nodes, bounds, keys, cache):
     return out_b, out_k
 
 
-def _reads_placeholder(n: fx.Node) -> bool:
-    return is_to_local(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
-
-
 def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     """Find the repeated layers of ``gm`` (read-only).  See Note: [Layer spans and their key]."""
     # layers are runs of the root graph; regions inside a nested subgraph
@@ -288,7 +284,7 @@ def _hoist_weights(nodes: list[fx.Node], bounds: list[tuple[int, int]]):
         return [], nodes, bounds
     common = None
     for a, b in bounds:
-        rel = {j for j in range(b - a) if _reads_placeholder(nodes[a + j])}
+        rel = {j for j in range(b - a) if is_input_to_local(nodes[a + j])}
         common = rel if common is None else common & rel
     if not common:
         return [], nodes, bounds

@@ -321,6 +321,8 @@ class _RunFunction(torch.autograd.Function):
         return results
 
     @staticmethod
+    # Note: [A compiled backward is no frame for Dynamo] (compiler/dtensor_border.py)
+    @torch.compiler.disable(reason="a compiled graph's backward runs as compiled")
     def backward(ctx, *grads: torch.Tensor | None):
         run: LayerRun = ctx.run
         retain = get_current_graph_task_keep_graph()

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis import copy_nodes, span_io
-from ..graph_utils import fetch_attr
+from ..graph_utils import fetch_attr, is_input_to_local
 from ..passes import PassResult
 from .plan import LayerPlan, LayerSpan
 
@@ -92,6 +92,26 @@ def _piece_reason(spans: Sequence[LayerSpan], a: int, b: int, n_nodes: int) -> s
     return "; ".join(parts) if parts else None
 
 
+# Note: [Unwraps that leave an unshared piece stand alone]
+#     A shared layer takes its weights' local tensors as inputs, and their
+#     ``to_local`` lands in the piece before it, e.g. the prefix merged with
+#     an unshared first layer (Note: [Unshared neighbours are one piece]).
+#     Compiled by Inductor, that piece returns the weights' own local tensor
+#     objects, which AOTAutograd's autograd.Function then gives a grad_fn:
+#     the same parameter mutation and per-step recompile as Note: [A piece
+#     that only unwraps skips Inductor].  So those unwraps go first, in a
+#     piece of their own, which that note compiles without Inductor.
+def _lift_unwraps(piece_nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
+    """``piece_nodes`` as the pieces to emit: the unwraps of inputs read
+    after the piece, alone and first, then the rest."""
+    inside = set(piece_nodes)
+    lifted = [n for n in piece_nodes if is_input_to_local(n) and any(u not in inside for u in n.users)]
+    rest = [n for n in piece_nodes if n not in set(lifted)]
+    if not lifted or not any(n.op in ("call_function", "call_method", "call_module") for n in rest):
+        return [list(piece_nodes)]
+    return [lifted, rest]
+
+
 def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
     """Cut ``gm`` into pieces along ``plan``: one submodule per shared layer
     span; neighbouring unshared nodes (before the first layer, after the
@@ -107,6 +127,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
     """
     nodes = list(plan.nodes)
     cuts = merge_unshared(_cuts(plan, len(nodes)))
+    unshared = "the unwraps of weights that later layers read"
 
     outer = fx.Graph()
     root = torch.nn.Module()
@@ -115,26 +136,33 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
         if n.op == "placeholder":
             env[n] = outer.node_copy(n)
     n_piece = 0
+    parts: list[tuple[list[fx.Node], PieceMeta]] = []
     for a, b, piece_spans in cuts:
         piece_span = piece_spans[0] if piece_spans else None
-        piece_nodes = nodes[a:b]
+        meta = PieceMeta("", piece_span.index if piece_span is not None else None,
+                         piece_span.key if piece_span is not None else None,
+                         _piece_reason(piece_spans, a, b, len(nodes)))
+        if meta.key is not None:
+            parts.append((nodes[a:b], meta))
+            continue
+        # Note: [Unwraps that leave an unshared piece stand alone]
+        split = _lift_unwraps(nodes[a:b])
+        if len(split) == 2:
+            parts.append((split[0], PieceMeta("", None, None, unshared)))
+        parts.append((split[-1], meta))
+    for piece_nodes, meta in parts:
         inputs, outputs = span_io(piece_nodes)
         if not outputs:
             # nothing leaves it: only dead code or get_attrs
             if any(n.op == "call_function" or n.op == "call_method" for n in piece_nodes):
-                raise AssertionError(f"piece of nodes [{a}, {b}) has effects but no outputs")
+                raise AssertionError(f"piece of nodes {piece_nodes[0]}..{piece_nodes[-1]} has effects but no outputs")
             continue
         name = f"piece_{n_piece}"
         n_piece += 1
         sub = _copy_span(gm, piece_nodes, inputs, outputs, name)
         root.add_module(name, sub)
         call = outer.call_module(name, tuple(env[i] for i in inputs))
-        call.meta[META_PIECE] = PieceMeta(
-            name,
-            piece_span.index if piece_span is not None else None,
-            piece_span.key if piece_span is not None else None,
-            _piece_reason(piece_spans, a, b, len(nodes)),
-        )
+        call.meta[META_PIECE] = dataclasses.replace(meta, name=name)
         for j, o in enumerate(outputs):
             g = outer.call_function(operator.getitem, (call, j))
             g.meta = dict(o.meta)

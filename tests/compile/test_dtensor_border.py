@@ -334,6 +334,40 @@ def test_regional_stack_runs_behind_the_border_and_equals_eager(inner):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.inductor
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_backward_called_inside_a_compiled_step_is_not_traced(inner):
+    """A whole training step compiled (found with torchtitan-shaped blocks):
+    ``loss.backward()`` graph-breaks and runs the border's backward with
+    Dynamo's frame hook set.  Dynamo traced that backward (and, under
+    Inductor, Inductor's output code: its in-place all_reduce_ then failed to
+    compile); Note: [A compiled backward is no frame for Dynamo]."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    backend, seen = _recording(inner)
+    model, x = TPStack(mesh, 2, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=recording)(x)
+    files = {line.split('"')[1] for gm in graphs for n in gm.graph.nodes
+             for line in n.meta.get("stack_trace", "").splitlines() if line.strip().startswith('File "')}
+    assert not [f for f in files if f.endswith("localmap_fx/compiler/dtensor_border.py") or "torchinductor" in f], files
+    # the step's forward only: nothing after the graph break has an op
+    assert len(graphs) == 1 and isinstance(seen[0], DTensorBorder), (graphs, seen)
+
+
 def test_lean_border_off_keeps_aotautograds_runtime():
     mesh = mesh_1d()
     backend, seen = _recording("aot_eager", lean_border=False)

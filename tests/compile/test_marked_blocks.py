@@ -145,6 +145,30 @@ def test_fake_pg_marked_equals_the_unmarked_stack_shared(inner):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.inductor
+def test_first_block_unshared_keeps_the_parameters_local_tensors_untouched():
+    """An input that needs no grad makes the first marked block a layer of its
+    own, merged with the prefix, where the shared blocks' weights are unwrapped.
+    Compiled by Inductor, that piece returned those local tensor objects and
+    AOTAutograd gave them a grad_fn: the frame recompiled on step 2 (found with
+    torchtitan-shaped blocks: Note: [Unwraps that leave an unshared piece stand alone])."""
+    torch._dynamo.reset()
+    model, x = _stack(mesh_1d(), 3)
+    x = x.detach()
+    frames = []
+    be = localmap_fx.backend("inductor")
+
+    def count(gm, example_inputs):
+        frames.append(gm)
+        return be(gm, example_inputs)
+
+    f = torch.compile(model, backend=count)
+    for _ in range(2):
+        f(x).backward()
+    assert [p for p in model.parameters() if p._local_tensor.requires_grad] == []
+    assert len(frames) == 1
+
+
 def test_local_tensor_mode_fails_in_dynamo_upstream():
     """Pins torch 2.14.1: Dynamo cannot trace a marked block on LocalTensors
     (``invoke_subgraph`` has no LocalTensor rule), before any backend runs; so
