@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from .depth_bench import module_step
+
 __all__ = ["SIDES", "measure", "main"]
 
 SIDES = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional", "ours_regional_before")
@@ -46,18 +48,7 @@ def _build(mesh, side: str, n: int, shape: dict):
     be = localmap_fx.backend(lean_border=False)  # one object: Dynamo guards on the backend's identity
     for block in model.blocks:
         block.compile(backend=be)
-    leaves = [x, *model.parameters()]
-
-    def step():
-        loss = model(x)
-        loss.backward()
-        return loss
-
-    def zero():
-        for t in leaves:
-            t.grad = None
-
-    return step, zero, leaves
+    return module_step(model, model, x)
 
 
 def measure(mesh, n: int, rounds: int, calls: int, shape: dict, sync=None) -> dict:

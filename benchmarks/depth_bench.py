@@ -97,16 +97,9 @@ def build(mesh, style: str, column: str, n: int, batch: int, d: int, hidden: int
         if regional:
             for block in model.blocks:
                 block.compile(backend=backend)
-            fn = model
-        else:
-            fn = torch.compile(model, backend=backend)
-        leaves = [x, *model.parameters()]
-
-        def step():
-            loss = fn(x)
-            loss.backward()
-            return loss
-    elif style == "functional":
+            return module_step(model, model, x)
+        return module_step(torch.compile(model, backend=backend), model, x)
+    if style == "functional":
         from .models import build_tp_stack, tp_regions
 
         whole, st = build_tp_stack(mesh, impl, n_blocks=n, batch=batch, d=d, hidden=hidden)
@@ -133,12 +126,32 @@ def build(mesh, style: str, column: str, n: int, batch: int, d: int, hidden: int
             return loss
     else:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    return step, _zero_grads(leaves), leaves
 
+
+def module_step(fn, model, x):
+    """(step, zero, leaves) of a ``TPStack`` ``model`` run as ``fn`` (compiled, or its blocks compiled)."""
+    leaves = [x, *model.parameters()]
+
+    def step():
+        loss = fn(x)
+        loss.backward()
+        return loss
+
+    return step, _zero_grads(leaves), leaves
+
+
+def _zero_grads(leaves):
     def zero():
         for t in leaves:
             t.grad = None
 
-    return step, zero, leaves
+    return zero
+
+
+def values_match(got, ref) -> bool:
+    """Loss and gradients (full tensors) of two sides agree to benchmark tolerance."""
+    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * (1 + b.abs().max().item())) for a, b in zip(got, ref))
 
 
 # --- cold compile ------------------------------------------------------------
@@ -202,10 +215,7 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
                 got = [loss.full_tensor()] + [t.grad.full_tensor() for t in leaves]
                 if ref is None:
                     ref = got
-                match[column] = all(
-                    torch.allclose(a, b, rtol=1e-4, atol=1e-4 * (1 + b.abs().max().item()))
-                    for a, b in zip(got, ref)
-                )
+                match[column] = values_match(got, ref)
                 zero()
 
                 def timed(step=step, zero=zero):

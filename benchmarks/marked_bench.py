@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from .depth_bench import module_step, values_match
+
 __all__ = ["COLD", "STEADY", "build", "cold_worker", "steady_ranks", "run", "main"]
 
 COLD = ("marked", "upstream_regional", "ours_whole")
@@ -51,19 +53,7 @@ def build(mesh, column: str, n: int, batch: int, d: int, hidden: int):
 
     model = TPStack(mesh, n, d=d, hidden=hidden, marked=True)
     x = tp_stack_input(mesh, batch, d)
-    fn = torch.compile(model, backend="localmap_fx")
-    leaves = [x, *model.parameters()]
-
-    def step():
-        loss = fn(x)
-        loss.backward()
-        return loss
-
-    def zero():
-        for t in leaves:
-            t.grad = None
-
-    return step, zero, leaves
+    return module_step(torch.compile(model, backend="localmap_fx"), model, x)
 
 
 def _children_cpu() -> float:
@@ -133,8 +123,7 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
             loss = step()
             got = [loss.full_tensor()] + [t.grad.full_tensor() for t in leaves]
             ref = got if ref is None else ref
-            match[column] = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * (1 + b.abs().max().item()))
-                                for a, b in zip(got, ref))
+            match[column] = values_match(got, ref)
             zero()
 
             def timed(step=step, zero=zero):
