@@ -8,7 +8,8 @@ D 32, H 64; fake process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR``
 (cold), then a second fresh process with the same folder (warm), back to back
 so both see the same machine load.  Each reports the seconds of its first
 forward + backward and torch's cache counters.  Target: warm / cold <= 0.25
-(issue 27).  Ours use ``localmap_fx.backend(stable_cache_keys=True)``.
+(issue 27).  Ours use the default options (``--stable-cache-keys``:
+``localmap_fx.backend(stable_cache_keys=True)``).
 Modes: ``whole`` (``torch.compile(model, backend=...)``),
 ``regional`` (``block.compile(backend="localmap_fx")`` per block), ``shared``
 (``share_layers=True``), ``upstream_whole`` / ``upstream_regional`` (torch's
@@ -32,7 +33,7 @@ MODES = ("whole", "regional", "shared", "upstream_whole", "upstream_regional")
 TARGET = 0.25
 
 
-def first_step(mode: str, n_layers: int, cache_dir: str) -> dict:
+def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -> dict:
     """In a fresh process: seconds of the first forward + backward, and the cache counters."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import torch
@@ -52,7 +53,7 @@ def first_step(mode: str, n_layers: int, cache_dir: str) -> dict:
     import localmap_fx
 
     backend: Any = "inductor" if upstream else localmap_fx.backend(
-        stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
+        stable_cache_keys=stable, share_layers=True if mode == "shared" else "auto")
     fn: Any
     if mode.endswith("regional"):
         for block in model.blocks:
@@ -70,14 +71,14 @@ def first_step(mode: str, n_layers: int, cache_dir: str) -> dict:
     }
 
 
-def warm_restart(mode: str, n_layers: int) -> dict:
+def warm_restart(mode: str, n_layers: int, stable: bool = False) -> dict:
     """Cold then warm, each in its own spawned process, one fresh cache folder."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as cache:
         runs = []
         for _ in range(2):
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
-                runs.append(ex.submit(first_step, mode, n_layers, cache).result())
+                runs.append(ex.submit(first_step, mode, n_layers, cache, stable).result())
     cold, warm = runs
     return {"mode": mode, "layers": n_layers, "cold": cold, "warm": warm,
             "ratio": warm["seconds"] / cold["seconds"]}
@@ -87,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[16])
     p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "shared"])
+    p.add_argument("--stable-cache-keys", action="store_true", help="ours with stable_cache_keys=True")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     results = []
     for n in args.layers:
         for mode in args.modes:
-            r = warm_restart(mode, n)
+            r = warm_restart(mode, n, args.stable_cache_keys)
             results.append(r)
             print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
                   f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); warm caches: aot {r['warm']['aot']}, "
