@@ -1,37 +1,48 @@
-"""Deep models (issue 21): compile time and step time against depth, four ways.
+"""Deep models: compile time, step time and warm restart against depth, whole / regional / marked.
 
-    python -m benchmarks.depth_bench                 # default sweep (~10 min on 2 CPUs)
-    python -m benchmarks.depth_bench --full          # every depth, 8 16 32 64, both measurements
+    python -m benchmarks.depth_bench                 # default sweep (~25 min on 2 CPUs)
+    python -m benchmarks.depth_bench --full          # every depth, 8 16 32 64
     python -m benchmarks.depth_bench --quick         # every code path once; numbers mean nothing
+    python -m benchmarks.depth_bench --only warm     # one measurement: cold, steady or warm
 
-Two model styles, both tensor-parallel stacks (column region ``relu(x @ w1)``
-``[R],[S(1)] -> [S(1)]`` with in_grad ``([P],[S(1)])``, row region ``y @ w2``
-``[S(1)],[S(0)] -> [P]``, ``redistribute([R])`` per layer, loss ``(h * h).sum()``):
+Model styles:
 
 * ``module``: :class:`localmap_fx.testing.models.TPStack`, ``nn.Module``
-  blocks with DTensor ``nn.Parameter``\\ s and a residual
-  (``row(col(x, w1), w2).redistribute(mesh, [R]) + x``);
-* ``functional``: :func:`benchmarks.models.build_tp_stack` (P4/P5's model:
-  weights passed as lists, no residual).
+  tensor-parallel blocks with DTensor ``nn.Parameter``\\ s, two regions per
+  block (column ``relu(x @ w1)`` ``[R],[S(1)] -> [S(1)]`` with in_grad
+  ``([P],[S(1)])``, row ``y @ w2`` ``[S(1)],[S(0)] -> [P]``) and a residual
+  (``row(col(x, w1), w2).redistribute(mesh, [R]) + x``), loss ``(h * h).sum()``;
+* ``attention``: :class:`localmap_fx.testing.attention_stack.AttnStack`,
+  torchtitan-style attention blocks: DTensor q/k/v/o projections around one
+  ``local_map``-ed inner attention (SDPA, heads sharded), residual;
+* ``functional``: :func:`benchmarks.models.build_tp_stack` (weights passed as
+  lists, no residual);
+* ``module_real``: ``module`` at real layer sizes (B 32, D 1024, H 1024: 67
+  MFLOP per rank per layer), cold compile of the two whole-model columns only.
 
-Four columns, interleaved in one run:
+Columns (:data:`STYLE_COLUMNS` says which each style has), interleaved in one run:
 
 * ``upstream_whole``: torch's ``local_map``, ``torch.compile(model, backend="inductor")``;
 * ``upstream_regional``: torch's ``local_map``, each block compiled on its
   own (``block.compile()``; Dynamo compiles the block's code once and reuses it);
 * ``ours_whole``: ``localmap_fx.local_map``, ``backend="localmap_fx"`` with
   the default options;
-* ``ours_regional``: ``block.compile(backend="localmap_fx")``.
+* ``ours_regional``: ``block.compile(backend="localmap_fx")``;
+* ``ours_marked``: each block's ``forward`` under
+  ``torch.compiler.nested_compile_region``, the model compiled whole with
+  ``backend="localmap_fx"``;
+* ``ours_shared``: ``share_layers=True`` (each distinct layer compiled once,
+  called once per layer), so the compile time it saves and the run-time price
+  per layer it costs against ``ours_whole`` come from the same run.
 
 Cold compile: first forward + backward, one fresh process for all of them on
 a fake process group of 2 (graph-level work only), every cache cold as in
 :mod:`benchmarks.compile_time` (its :func:`~benchmarks.compile_time.cold_caches`,
-per-phase breakdown included).
-Steady step: 2 gloo ranks, B 32, D 128, H 256, paired interleaved rounds
-(:mod:`benchmarks.timing`), wall clock.  Both measurements add
-``ours_shared`` (``share_layers=True``: each distinct layer compiled once,
-called once per layer), so the compile time it saves and the run-time price
-per layer it costs against ``ours_whole`` come from the same run.
+per-phase breakdown included; :data:`COLD_SHAPES`).
+Steady step: 2 gloo ranks, :data:`SHAPES`, paired interleaved rounds
+(:mod:`benchmarks.timing`), wall clock.
+Warm restart: :mod:`benchmarks.warm_restart` (a fresh process fills an empty
+cache folder, a second fresh process reuses it), default options.
 """
 
 from __future__ import annotations
@@ -46,30 +57,61 @@ import torch
 
 __all__ = ["COLUMNS", "STYLES", "cold_worker", "steady_ranks", "run", "main"]
 
-STYLES = ("module", "functional")
+STYLES = ("module", "attention", "functional", "module_real")
 COLUMNS = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional")
 EXTRA = "ours_shared"  # share_layers=True: one compiled piece per layer, called per layer
+MARKED = "ours_marked"  # nested_compile_region on each block, the model compiled whole
+# the columns each style is measured in (functional blocks are no modules to mark;
+# module_real is the module style at real layer sizes, whole-model compiles only)
+STYLE_COLUMNS = {
+    "module": (*COLUMNS, EXTRA, MARKED),
+    "attention": (*COLUMNS, MARKED),
+    "functional": (*COLUMNS, EXTRA),
+    "module_real": ("upstream_whole", "ours_whole"),
+}
 
 DEFAULT = {
-    "cold": {"module": [8, 64], "functional": [8, 64]},
-    "steady": {"module": [16, 64], "functional": [16, 64]},
+    "cold": {"module": [8, 16, 64], "attention": [16, 64], "functional": [8, 64], "module_real": [16, 64]},
+    "steady": {"module": [16, 64], "attention": [16, 64], "functional": [16, 64]},
+    "warm": {"module": [16, 64], "attention": [16, 64]},
     "rounds": 8,
     "calls": 3,
 }
 FULL = {
-    "cold": {"module": [8, 16, 32, 64], "functional": [8, 16, 32, 64]},
-    "steady": {"module": [8, 16, 32, 64], "functional": [8, 16, 32, 64]},
+    "cold": {"module": [8, 16, 32, 64], "attention": [8, 16, 32, 64], "functional": [8, 16, 32, 64],
+             "module_real": [16, 64]},
+    "steady": {"module": [8, 16, 32, 64], "attention": [8, 16, 32, 64], "functional": [8, 16, 32, 64]},
+    "warm": {"module": [16, 64], "attention": [16, 64]},
     "rounds": 12,
     "calls": 3,
 }
 QUICK = {
-    "cold": {"module": [2], "functional": [2]},
-    "steady": {"module": [2], "functional": [2]},
+    "cold": {"module": [2], "attention": [2], "functional": [2], "module_real": [2]},
+    "steady": {"module": [2], "attention": [2], "functional": [2]},
+    "warm": {"module": [2]},
     "rounds": 1,
     "calls": 1,
-    "shape": {"batch": 8, "d": 16, "hidden": 32},
+    "shapes": {"module": {"batch": 8, "d": 16, "hidden": 32}, "functional": {"batch": 8, "d": 16, "hidden": 32},
+               "attention": {"batch": 2, "seq": 8, "d": 16, "n_heads": 4}},
 }
-SHAPE = {"batch": 32, "d": 128, "hidden": 256}
+# steady step shapes per style; cold compiles use COLD_SHAPES (graph-level work only)
+SHAPES = {
+    "module": {"batch": 32, "d": 128, "hidden": 256},
+    "functional": {"batch": 32, "d": 128, "hidden": 256},
+    "attention": {"batch": 4, "seq": 32, "d": 128, "n_heads": 8},
+}
+COLD_SHAPES = {
+    "module": {"batch": 16, "d": 32, "hidden": 64},
+    "functional": {"batch": 16, "d": 32, "hidden": 64},
+    "attention": {"batch": 2, "seq": 16, "d": 32, "n_heads": 4},
+    # 67 MFLOP per rank per layer forward (2 ranks): the issue's "real layer sizes"
+    "module_real": {"batch": 32, "d": 1024, "hidden": 1024},
+}
+SHAPE = SHAPES["module"]
+# the step ratios reported (those whose two columns a style has)
+RATIOS = (("ours_whole", "upstream_whole"), ("ours_whole", "upstream_regional"),
+          ("ours_regional", "upstream_whole"), ("ours_regional", "upstream_regional"),
+          (MARKED, "upstream_whole"), (EXTRA, "upstream_whole"), ("upstream_regional", "upstream_whole"))
 
 
 def _backend(column: str):
@@ -82,27 +124,36 @@ def _backend(column: str):
     return "localmap_fx"
 
 
-def build(mesh, style: str, column: str, n: int, batch: int, d: int, hidden: int):
-    """(step, zero): ``step()`` runs forward + backward and returns the loss."""
+def build(mesh, style: str, column: str, n: int, backend=None, **shape):
+    """(step, zero, leaves): ``step()`` runs forward + backward and returns the loss.
+
+    ``shape``: the style's sizes (:data:`SHAPES`); ``backend``: instead of the column's."""
     from torch.distributed.tensor import Replicate
 
     impl = "torch" if column.startswith("upstream") else "ours"
     regional = column.endswith("regional")
-    backend = _backend(column)
-    if style == "module":
-        from localmap_fx.testing.models import TPStack, tp_stack_input
+    backend = backend if backend is not None else _backend(column)
+    if style in ("module", "module_real", "attention"):
+        if style == "attention":
+            from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
 
-        model = TPStack(mesh, n, d=d, hidden=hidden, impl=impl)
-        x = tp_stack_input(mesh, batch, d)
+            model: torch.nn.Module = AttnStack(mesh, n, d=shape["d"], n_heads=shape["n_heads"], impl=impl,
+                                               marked=column == MARKED)
+            x = attn_stack_input(mesh, shape["batch"], shape["seq"], shape["d"])
+        else:
+            from localmap_fx.testing.models import TPStack, tp_stack_input
+
+            model = TPStack(mesh, n, d=shape["d"], hidden=shape["hidden"], impl=impl, marked=column == MARKED)
+            x = tp_stack_input(mesh, shape["batch"], shape["d"])
         if regional:
-            for block in model.blocks:
+            for block in model.blocks:  # type: ignore[union-attr]  # both stacks hold .blocks
                 block.compile(backend=backend)
             return module_step(model, model, x)
         return module_step(torch.compile(model, backend=backend), model, x)
     if style == "functional":
         from .models import build_tp_stack, tp_regions
 
-        whole, st = build_tp_stack(mesh, impl, n_blocks=n, batch=batch, d=d, hidden=hidden)
+        whole, st = build_tp_stack(mesh, impl, n_blocks=n, **shape)
         leaves = [st["x"], *st["w1"], *st["w2"]]
         if regional:
             col, row = tp_regions(impl, mesh)
@@ -130,7 +181,8 @@ def build(mesh, style: str, column: str, n: int, batch: int, d: int, hidden: int
 
 
 def module_step(fn, model, x):
-    """(step, zero, leaves) of a ``TPStack`` ``model`` run as ``fn`` (compiled, or its blocks compiled)."""
+    """(step, zero, leaves) of a stack ``model`` (``forward(x) -> loss``) run as ``fn`` (compiled, or its
+    blocks compiled)."""
     leaves = [x, *model.parameters()]
 
     def step():
@@ -160,7 +212,7 @@ def _measure_cold(mesh, style: str, column: str, n: int) -> dict:
     from .compile_time import cold_caches
 
     torch._dynamo.reset()
-    step, _, _ = build(mesh, style, column, n, batch=16, d=32, hidden=64)
+    step, _, _ = build(mesh, style, column, n, **COLD_SHAPES[style])
     frames_before = dict(torch._dynamo.utils.counters["stats"])
     with cold_caches() as stats:
         t0 = time.perf_counter()
@@ -181,8 +233,8 @@ def cold_worker(plan: dict[str, list[int]]) -> dict:
     out: dict = {}
     for style, depths in plan.items():
         for n in depths:
-            order = (*COLUMNS, EXTRA) if n % 16 else (EXTRA, *reversed(COLUMNS))
-            for column in order:
+            columns = STYLE_COLUMNS[style]
+            for column in (columns if n % 16 else tuple(reversed(columns))):
                 out[f"{style}/{column}/{n}"] = _measure_cold(mesh, style, column, n)
     return out
 
@@ -197,15 +249,16 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
 
     torch.set_num_threads(1)
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
-    shape = cfg.get("shape", SHAPE)
+    shapes = cfg.get("shapes", SHAPES)
     out: dict = {}
     for style, depths in cfg["steady"].items():
+        shape = shapes[style]
         for n in depths:
             sides = {}
             first: dict = {}
             ref = None
             match = {}
-            for column in (*COLUMNS, EXTRA):
+            for column in STYLE_COLUMNS[style]:
                 step, zero, leaves = build(mesh, style, column, n, **shape)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -233,18 +286,40 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
                 "ratios": {
                     clock: {
                         f"{a}/{b}": paired.ratios(a, b, clock)
-                        for a, b in (("ours_whole", "upstream_whole"), ("ours_whole", "upstream_regional"),
-                                     ("ours_regional", "upstream_regional"), (EXTRA, "upstream_whole"),
-                                     ("upstream_regional", "upstream_whole"))
+                        for a, b in RATIOS if a in sides and b in sides
                     }
                     for clock in ("wall", "cpu")
                 },
                 "price_per_layer_us": {
                     clock: [x / n * 1e6 for x in paired.extras(EXTRA, "ours_whole", clock)] for clock in ("wall", "cpu")
-                },
+                } if EXTRA in sides else {},
             }
             del sides
             torch._dynamo.reset()
+    return out
+
+
+# --- warm restart --------------------------------------------------------------
+
+WARM_MODES = {"whole": "ours_whole", "regional": "ours_regional", "marked": MARKED,
+              "upstream_whole": "upstream_whole", "upstream_regional": "upstream_regional"}
+
+
+def warm_restarts(plan: dict[str, list[int]], log=print) -> dict:
+    """Cold then warm first step in fresh processes (:func:`benchmarks.warm_restart.warm_restart`),
+    per style, depth and mode; keys ``style/column/layers``."""
+    from .warm_restart import MODES, warm_restart
+
+    out: dict = {}
+    for style, depths in plan.items():
+        for n in depths:
+            for mode, column in WARM_MODES.items():
+                if mode not in MODES or column not in STYLE_COLUMNS[style]:
+                    continue
+                r = warm_restart(mode, n, style=style)
+                out[f"{style}/{column}/{n}"] = r
+                log(f"[depth]   {style} {column} {n}: cold {r['cold']['seconds']:.1f} s, "
+                    f"warm {r['warm']['seconds']:.1f} s ({r['ratio']:.2f})")
     return out
 
 
@@ -268,6 +343,11 @@ def run(cfg: dict, only: set[str] | None = None, log=print) -> dict:
         res["steady"] = per_rank[0]
         res["steady_rank1"] = per_rank[1]
         res["steady_s"] = time.perf_counter() - t1
+    if cfg.get("warm") and (only is None or "warm" in only):
+        log("[depth] warm restart (fresh processes) ...")
+        t2 = time.perf_counter()
+        res["warm"] = warm_restarts(cfg["warm"], log)
+        res["warm_s"] = time.perf_counter() - t2
     res["load_end"] = _loadavg()
     res["run_s"] = time.perf_counter() - t0
     return res
@@ -279,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="every depth (8, 16, 32, 64) for both measurements")
     p.add_argument("--quick", action="store_true", help="2 layers, one round: a smoke test")
-    p.add_argument("--only", default=None, help="cold,steady")
+    p.add_argument("--only", default=None, help="cold,steady,warm")
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--docs", default=None, help="also update DOCS/benchmarks.md and DOCS/benchmarks_depth.png")
     a = p.parse_args(argv)

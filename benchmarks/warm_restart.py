@@ -2,17 +2,19 @@
 
     python -m benchmarks.warm_restart --layers 16 64 --modes whole regional shared
 
-For each (mode, layers): a fresh process compiles the ``nn.Module`` TP stack
-(``localmap_fx.testing.models.TPStack``: DTensor parameters, residual; B 16,
-D 32, H 64; fake process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR``
-(cold), then a second fresh process with the same folder (warm), back to back
-so both see the same machine load.  Each reports the seconds of its first
-forward + backward and torch's cache counters.  Target: warm / cold <= 0.25
-(issue 27).  Ours use the default options (``--stable-cache-keys``:
-``localmap_fx.backend(stable_cache_keys=True)``).
-Modes: ``whole`` (``torch.compile(model, backend=...)``),
-``regional`` (``block.compile(backend="localmap_fx")`` per block), ``shared``
-(``share_layers=True``), ``upstream_whole`` / ``upstream_regional`` (torch's
+For each (mode, layers): a fresh process compiles a stack of
+:mod:`benchmarks.depth_bench` (``--style module``: the ``nn.Module`` TP stack;
+``attention``: the torchtitan-style attention stack; its ``COLD_SHAPES``; fake
+process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold), then a
+second fresh process with the same folder (warm), back to back so both see
+the same machine load.  Each reports the seconds of its first forward +
+backward and torch's cache counters.  Target: warm / cold <= 0.25 (issue 27).
+Ours use the default options (``--stable-cache-keys``:
+``localmap_fx.backend(stable_cache_keys=True)``).  Modes (:data:`COLUMN`):
+``whole`` (``torch.compile(model, backend=...)``), ``regional``
+(``block.compile(backend="localmap_fx")`` per block), ``shared``
+(``share_layers=True``), ``marked`` (``nested_compile_region`` blocks, whole
+model compiled), ``upstream_whole`` / ``upstream_regional`` (torch's
 ``local_map``, ``backend="inductor"``).
 """
 
@@ -29,11 +31,14 @@ from typing import Any
 
 __all__ = ["first_step", "warm_restart", "main"]
 
-MODES = ("whole", "regional", "shared", "upstream_whole", "upstream_regional")
+MODES = ("whole", "regional", "shared", "marked", "upstream_whole", "upstream_regional")
+# the column of benchmarks.depth_bench each mode builds
+COLUMN = {"whole": "ours_whole", "regional": "ours_regional", "shared": "ours_shared", "marked": "ours_marked",
+          "upstream_whole": "upstream_whole", "upstream_regional": "upstream_regional"}
 TARGET = 0.25
 
 
-def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -> dict:
+def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False, style: str = "module") -> dict:
     """In a fresh process: seconds of the first forward + backward, and the cache counters."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import torch
@@ -42,27 +47,19 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from localmap_fx.testing.models import TPStack, tp_stack_input
+    from .depth_bench import COLD_SHAPES, build
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    upstream = mode.startswith("upstream")
-    model = TPStack(mesh, n_layers, d=32, hidden=64, impl="torch" if upstream else "ours")
-    x = tp_stack_input(mesh, batch=16, d=32)
-    import localmap_fx
+    backend: Any = None
+    if stable and not mode.startswith("upstream"):
+        import localmap_fx
 
-    backend: Any = "inductor" if upstream else localmap_fx.backend(
-        stable_cache_keys=stable, share_layers=True if mode == "shared" else "auto")
-    fn: Any
-    if mode.endswith("regional"):
-        for block in model.blocks:
-            block.compile(backend=backend)  # one backend object: Dynamo guards on its identity
-        fn = model
-    else:
-        fn = torch.compile(model, backend=backend)
+        backend = localmap_fx.backend(stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
+    step, _, _ = build(mesh, style, COLUMN[mode], n_layers, backend=backend, **COLD_SHAPES[style])
     t0 = time.perf_counter()
-    fn(x).backward()
+    step()
     seconds = time.perf_counter() - t0
     return {
         "seconds": seconds,
@@ -71,16 +68,16 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -
     }
 
 
-def warm_restart(mode: str, n_layers: int, stable: bool = False) -> dict:
+def warm_restart(mode: str, n_layers: int, stable: bool = False, style: str = "module") -> dict:
     """Cold then warm, each in its own spawned process, one fresh cache folder."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as cache:
         runs = []
         for _ in range(2):
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
-                runs.append(ex.submit(first_step, mode, n_layers, cache, stable).result())
+                runs.append(ex.submit(first_step, mode, n_layers, cache, stable, style).result())
     cold, warm = runs
-    return {"mode": mode, "layers": n_layers, "cold": cold, "warm": warm,
+    return {"mode": mode, "style": style, "layers": n_layers, "cold": cold, "warm": warm,
             "ratio": warm["seconds"] / cold["seconds"]}
 
 
@@ -88,13 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[16])
     p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "shared"])
+    p.add_argument("--style", default="module", choices=("module", "attention"))
     p.add_argument("--stable-cache-keys", action="store_true", help="ours with stable_cache_keys=True")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     results = []
     for n in args.layers:
         for mode in args.modes:
-            r = warm_restart(mode, n, args.stable_cache_keys)
+            r = warm_restart(mode, n, args.stable_cache_keys, args.style)
             results.append(r)
             print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
                   f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); warm caches: aot {r['warm']['aot']}, "

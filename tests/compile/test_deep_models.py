@@ -189,24 +189,35 @@ def test_regional_compiles_as_many_graphs_as_upstream_regional(inner):
 
 def test_depth_report_reads_a_result_and_draws_it():
     """benchmarks.depth_report on a synthetic result: every figure present,
-    met/missed from the numbers given, a PNG drawn (no timing here)."""
+    met/missed from the numbers given, the whole / regional / marked table,
+    a PNG drawn (no timing here)."""
     from benchmarks.depth_report import figures, markdown, plot_png
 
-    sides = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional", "ours_shared")
+    sides = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional", "ours_shared", "ours_marked")
     phase = {"dynamo_s": 1.0, "aot_s": 1.0, "inductor_s": 1.0, "cpp_compile_s": 1.0, "cpp_files": 2,
              "kernels": 3, "graphs": 1}
     cold = {f"module/{s}/{n}": {"total_s": float(n + i), **phase} for i, s in enumerate(sides) for n in (8, 64)}
-    pairs = ("ours_whole/upstream_whole", "ours_whole/upstream_regional", "ours_regional/upstream_regional",
-             "ours_shared/upstream_whole", "upstream_regional/upstream_whole")
+    cold.update({f"module_real/{s}/64": {"total_s": t, **phase} for s, t in (("upstream_whole", 40.0),
+                                                                            ("ours_whole", 10.0))})
+    pairs = ("ours_whole/upstream_whole", "ours_whole/upstream_regional", "ours_regional/upstream_whole",
+             "ours_regional/upstream_regional", "ours_marked/upstream_whole", "ours_shared/upstream_whole",
+             "upstream_regional/upstream_whole")
     steady = {"module/16": {
         "numerics_match": {s: True for s in sides},
         "step_us": {c: {s: {"median": 1000.0, "min": 900.0, "max": 1100.0, "n": 2} for s in sides}
                     for c in ("wall", "cpu")},
-        "ratios": {c: {p: [0.95, 1.05] for p in pairs} for c in ("wall", "cpu")},
+        "ratios": {c: {p: [0.75, 0.85] if p.startswith("ours_regional") else [0.95, 1.05] for p in pairs}
+                   for c in ("wall", "cpu")},
         "price_per_layer_us": {c: [10.0, 20.0] for c in ("wall", "cpu")},
     }}
-    res = {"config": {"rounds": 8}, "cold": cold, "steady": steady, "load_start": [1.0], "load_end": [2.0],
-           "run_s": 1.0}
+
+    def restart(cold_s, warm_s):
+        return {"cold": {"seconds": cold_s, "aot": {}, "fx": {}},
+                "warm": {"seconds": warm_s, "aot": {}, "fx": {"fxgraph_cache_hit": 2}}, "ratio": warm_s / cold_s}
+
+    warm = {"module/ours_whole/16": restart(10.0, 2.0), "module/ours_marked/16": restart(10.0, 3.0)}
+    res = {"config": {"rounds": 8}, "cold": cold, "steady": steady, "warm": warm, "load_start": [1.0],
+           "load_end": [2.0], "run_s": 1.0}
     rows = {r["id"]: r for r in figures(res)}
     # ours whole 64+2, upstream regional 64+1
     assert rows["P8[module]"]["median"] == pytest.approx(66 / 65) and rows["P8[module]"]["met"] is False
@@ -214,5 +225,16 @@ def test_depth_report_reads_a_result_and_draws_it():
     assert rows["P9_whole[module,16]"]["median"] == pytest.approx(1.0) and rows["P9_whole[module,16]"]["met"]
     assert rows["P9_regional[module,16]"]["met"] is False
     assert rows["price[module,16]"]["median"] == pytest.approx(15.0)
-    assert "| module | ours_whole | 64 |" in markdown(res)
+    # ours regional 64+3, ours marked 64+5 over upstream regional 64+1
+    assert rows["cold_regional[module]"]["median"] == pytest.approx(67 / 65)
+    assert rows["cold_regional[module]"]["met"] is False
+    assert rows["cold_marked[module]"]["median"] == pytest.approx(69 / 65) and rows["cold_marked[module]"]["met"]
+    assert rows["regional_whole[module,16]"]["met"] and rows["regional[module,16]"]["median"] == pytest.approx(0.8)
+    assert rows["marked[module,16]"]["median"] == pytest.approx(1.0)
+    assert rows["real_whole[64]"]["median"] == pytest.approx(0.25) and rows["real_whole[64]"]["met"]
+    assert rows["warm[module,ours_whole,16]"]["met"] and rows["warm[module,ours_marked,16]"]["met"] is False
+    md = markdown(res)
+    assert "| module | ours_whole | 64 |" in md
+    assert "| module | 16 | marked blocks | – | 1.0 | 1.00 | 3.0 (0.30) |" in md
+    assert "| module | 64 | regional | 67.0 | – | – | – |" in md
     assert plot_png(res)[:8] == b"\x89PNG\r\n\x1a\n"
