@@ -27,9 +27,10 @@ def _grads(fn, model, x) -> list[torch.Tensor]:
 
 
 def _attention_vs_eager(rank: int, world_size: int, device: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     import localmap_fx
     from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
-    from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
