@@ -96,4 +96,5 @@ class AttnStack(torch.nn.Module):
 def attn_stack_input(mesh, batch: int = 4, seq: int = 16, d: int = 128, seed: int = 12345) -> DTensor:
     """The replicated input of :class:`AttnStack` (requires grad)."""
     t = distribute_tensor(seeded_randn(seed, batch, seq, d), mesh, [Replicate()])
-    return t.requires_grad_()
+    t.requires_grad_()
+    return t
