@@ -18,7 +18,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 # Top first.  A module may import only modules of lower layers.
 LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.testing.moe",),
-    ("localmap_fx.__main__", "localmap_fx.testing.graphs", "localmap_fx.testing.dist", "localmap_fx.testing.llama"),
+    ("localmap_fx.__main__", "localmap_fx.testing.graphs", "localmap_fx.testing.dist", "localmap_fx.testing.llama",
+     "localmap_fx.testing.attention_stack"),
     ("localmap_fx.testing.models", "localmap_fx.testing.parallel"),
     ("localmap_fx", "localmap_fx.testing", "localmap_fx.debug"),
     ("localmap_fx.api",),
