@@ -151,7 +151,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     watch = observer if observer is not None else Observer()
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
-        if not aot_graphs and opts.lean_border and not opts.stable_cache_keys and opts.inner != "eager":
+        if not aot_graphs and opts.uses_lean_border:
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
             # give back, so stable_cache_keys (warm restarts) goes without it.

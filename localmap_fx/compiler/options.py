@@ -75,6 +75,12 @@ class BackendOptions:
     lean_border: bool = True
     stable_cache_keys: bool = False
 
+    @property
+    def uses_lean_border(self) -> bool:
+        """Does a graph compiled whole (a frame, a block, a layer piece) with
+        DTensors at its border run behind the lean DTensor border?"""
+        return self.lean_border and not self.stable_cache_keys and self.inner != "eager"
+
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
             raise ValueError(

@@ -134,7 +134,8 @@ def _plan_layers(f: FrameState) -> None:
     borders = find_plain_borders(f.gm, plan) if plan.shared else None
     # Note: [No DTensor at an automatic border]
     crossing = dtensors_at_borders(plan, borders) if share == "auto" and borders is not None else ()
-    f.plan, f.borders, f.decision = plan, borders, decide(plan, share, cost, crossing, marked)
+    f.plan, f.borders, f.decision = plan, borders, decide(plan, share, cost, crossing, marked,
+                                                          f.opts.uses_lean_border)
 
 
 def _plain_borders(f: FrameState) -> None:

@@ -34,7 +34,7 @@ from ..graph_utils import is_input_to_local, node_value
 from ..passes import PassResult
 from .plan import digest
 from .runs import chain_layer_runs, find_layer_runs, runs_of
-from .runtime import CompiledLayer, Refusal, compile_with_metadata, compiled_layer
+from .runtime import CompiledLayer, Refusal, Refused, compile_with_metadata, compiled_layer, subclasses_crossing
 from .split import META_PIECE, PieceMeta, pieces_of
 
 if TYPE_CHECKING:
@@ -59,8 +59,12 @@ class CompiledPiece:
 
     @property
     def runtime(self) -> str:
+        from ..compiler.dtensor_border import DTensorBorder
+
         if isinstance(self.layer, CompiledLayer):
             return "layer"
+        if isinstance(self.fn, DTensorBorder):
+            return "DTensor border"
         return f"aot: {self.layer.text}" if isinstance(self.layer, Refusal) else "aot"
 
 
@@ -95,13 +99,23 @@ class _PieceModule(torch.nn.Module):
 
 def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileOne, name: str,
                   as_layer: bool) -> CompiledPiece:
-    """Compile one piece; ``as_layer``: try to run it as a :class:`CompiledLayer`."""
-    compiled, fw_metadata = compile_with_metadata(compile_one, sub, example, as_layer)
-    if not as_layer:
-        return CompiledPiece(name, compiled.fn)
+    """Compile one piece; ``as_layer``: try to run it as a :class:`CompiledLayer`.
+
+    A layer piece that DTensors cross is compiled as a graph of its own
+    (``compile_one`` puts it behind the lean DTensor border where that is
+    on: Note: [No DTensor at an automatic border]); AOTAutograd's subclass
+    runtime runs it otherwise, as it runs every piece a CompiledLayer refuses.
+    """
     # Note: [What a CompiledLayer relies on]
     out_node = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
     border = [*example, *(node_value(o) for o in out_node.args[0])]
+    crossing = subclasses_crossing(border) if as_layer else ()
+    compiled, fw_metadata = compile_with_metadata(compile_one, sub, example, as_layer and not crossing)
+    if not as_layer:
+        return CompiledPiece(name, compiled.fn)
+    if crossing:
+        return CompiledPiece(name, compiled.fn, layer=Refusal(
+            Refused.SUBCLASS_AT_BORDER, f"a {', '.join(crossing)} crosses its border"))
     layer = compiled_layer(compiled.aot_graphs, fw_metadata, border)
     fn = layer if isinstance(layer, CompiledLayer) else compiled.fn
     return CompiledPiece(name, fn, compiled.aot_graphs, layer)

@@ -32,14 +32,22 @@ Note: [When "auto" shares layers]
 
 Note: [No DTensor at an automatic border]
     A layer whose border a DTensor crosses (weights used as DTensors outside
-    the layer's regions, a residual the plain borders cannot pass) runs
-    through AOTAutograd's runtime: subclass unwrap/wrap per layer and step,
-    and a gradient coerced to the traced tangent placements at every border
-    (an all_reduce where the layer produces Partial), so it is slower than
-    one graph and its aot_eager gradients differ from eager in the last bits
-    as regional compilation's do (found on a torchtitan-shaped attention
-    stack: 1.1e-8 off eager at 8 layers, where one graph is bitwise).  "auto"
-    keeps such a frame whole; share_layers=True still shares it.
+    the layer's regions, as torchtitan's attention does; a residual the
+    plain borders cannot pass) cannot run as a CompiledLayer.  Behind the
+    lean DTensor border (:mod:`localmap_fx.compiler.dtensor_border`, on by
+    default) its piece is one autograd.Function per layer call: specs fixed
+    at compile time, and a backward compiled per tangent placement, so a
+    Partial gradient is reduced in compiled code in eager's order (aot_eager
+    stays bitwise eager).  That costs more per layer than a LayerRun step:
+    :data:`BORDER_OVERHEAD_S` (measured like :data:`PIECE_OVERHEAD_S`, on
+    a torchtitan-style attention stack), which "auto" weighs the same way.
+    Without the lean border (``lean_border=False``, ``stable_cache_keys=True``,
+    ``inner="eager"``) such a piece would go through AOTAutograd's subclass
+    runtime: DTensors unwrapped and wrapped per layer and step, gradients
+    coerced to the traced tangent placements at every border (an all_reduce
+    outside compiled code where the layer produces Partial, and aot_eager
+    gradients off eager in the last bits: 1.1e-8 at 8 layers), so "auto"
+    then keeps the frame whole; share_layers=True still shares it.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ __all__ = [
     "AUTO_MAX_OVERHEAD",
     "AUTO_MIN_LAYERS",
     "ASSUMED_FLOPS",
+    "BORDER_OVERHEAD_S",
     "PIECE_OVERHEAD_S",
     "Decision",
     "LayerCost",
@@ -74,6 +83,9 @@ AUTO_MAX_OVERHEAD = 0.01
 # 64-layer nn.Module TP stack, fake process group, shared vs one graph;
 # other devices: the same Python work, kernel launches are asynchronous)
 PIECE_OVERHEAD_S = {"cpu": 1.5e-5, "cuda": 1.5e-5}
+# seconds per layer call, forward + backward, behind the lean DTensor border
+# (Note: [No DTensor at an automatic border])
+BORDER_OVERHEAD_S = {"cpu": 2e-4, "cuda": 2e-4}
 # FLOP/s assumed for the layer's matrix products (high on purpose)
 ASSUMED_FLOPS = {"cpu": 1e11, "cuda": 1e14}
 
@@ -113,6 +125,7 @@ class LayerCost:
 
     flops: int  # forward FLOPs of the layer's matrix products
     device: str
+    border: bool = False  # a DTensor crosses the layer border: it runs behind the lean DTensor border
 
     @property
     def layer_s(self) -> float:
@@ -120,7 +133,8 @@ class LayerCost:
 
     @property
     def overhead_s(self) -> float:
-        return PIECE_OVERHEAD_S.get(self.device, PIECE_OVERHEAD_S["cuda"])
+        price = BORDER_OVERHEAD_S if self.border else PIECE_OVERHEAD_S
+        return price.get(self.device, price["cuda"])
 
     @property
     def worth_sharing(self) -> bool:
@@ -129,19 +143,21 @@ class LayerCost:
     def text(self) -> str:
         return (f"a layer computes ~{self.flops / 1e6:.3g} MFLOP forward (~{self.layer_s * 1e3:.3g} ms fwd+bwd "
                 f"at {ASSUMED_FLOPS.get(self.device, ASSUMED_FLOPS['cuda']):.0e} FLOP/s on {self.device}), "
-                f"a piece call costs ~{self.overhead_s * 1e3:.2g} ms "
+                f"a piece call{' behind the DTensor border' if self.border else ''} costs "
+                f"~{self.overhead_s * 1e3:.2g} ms "
                 f"({self.overhead_s / max(self.layer_s, 1e-12):.0%} of it, limit {AUTO_MAX_OVERHEAD:.0%})")
 
 
 def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = None,
-           dtensor_borders: Sequence[str] = (), marked: bool = False) -> Decision:
+           dtensor_borders: Sequence[str] = (), marked: bool = False, lean_border: bool = False) -> Decision:
     """Split ``plan`` into shared pieces, or keep the graph whole, and why.
 
     ``cost`` (given under inductor) makes "auto" weigh run time too (Note:
     [When "auto" shares layers]); ``dtensor_borders`` names DTensors that
     would still cross layer borders after the plain borders (Note: [No
     DTensor at an automatic border]); ``marked``: the layers are blocks the
-    user marked (Note: [Marked blocks are shared]).
+    user marked (Note: [Marked blocks are shared]); ``lean_border``: a
+    piece that DTensors cross runs behind the lean DTensor border.
 
     Note: [Marked blocks are shared]
         ``nested_compile_region`` on a block is the user asking for it to
@@ -159,27 +175,30 @@ def decide(plan: LayerPlan, share_layers: bool | str, cost: LayerCost | None = N
         return no_shared_layer(plan)
     # layers found (the last one may be its own piece: Note: [Where layers are cut])
     most = len(plan.spans)
+    shown = ", ".join(dtensor_borders[:3]) + (", ..." if len(dtensor_borders) > 3 else "")
+    runtime = "the lean DTensor border" if lean_border else "AOTAutograd's runtime"
     if marked:
-        crossing = (f"; DTensors cross the layer borders ({', '.join(dtensor_borders[:3])}"
-                    f"{', ...' if len(dtensor_borders) > 3 else ''}): those layers use AOTAutograd's runtime"
-                    if dtensor_borders else "")
+        crossing = f"; DTensors cross the layer borders ({shown}): those layers use {runtime}" if dtensor_borders else ""
         return Decision(Reason.MARKED, f"marked by the user (nested_compile_region): {len(plan.shared)} of {most} "
                                        f"layers shared{crossing}")
     if share_layers == "auto":
         if most < AUTO_MIN_LAYERS:
             return Decision(Reason.FEW_LAYERS, f"share_layers='auto': {most} repeats of a layer < {AUTO_MIN_LAYERS}; "
                                                "one graph fuses across layer borders")
-        if dtensor_borders:
-            shown = ", ".join(dtensor_borders[:3]) + (", ..." if len(dtensor_borders) > 3 else "")
+        if dtensor_borders and not lean_border:
             return Decision(Reason.DTENSOR_AT_BORDER,
                             f"share_layers='auto': {most} layers, but DTensors would cross the layer borders "
-                            f"({shown}): each layer would unwrap and wrap them and turn their gradients into the "
-                            "traced placements every step, summing gradients in another order than one graph "
-                            "(share_layers=True shares anyway)")
+                            f"({shown}) without the lean DTensor border: each layer would unwrap and wrap them and "
+                            "turn their gradients into the traced placements every step, summing gradients in "
+                            "another order than one graph (share_layers=True shares anyway)")
+        if cost is not None and dtensor_borders:
+            cost = dataclasses.replace(cost, border=True)
         if cost is not None and not cost.worth_sharing:
             return Decision(Reason.NOT_WORTH_IT, f"share_layers='auto': {most} layers, but pieces would run slower "
                                                  f"than one graph: {cost.text()}")
-    return Decision(Reason.SHARE, f"share_layers={share_layers!r}: {len(plan.shared)} of {most} layers shared")
+    crossing = f"; DTensors cross the layer borders ({shown}): the lean DTensor border" if dtensor_borders else ""
+    return Decision(Reason.SHARE, f"share_layers={share_layers!r}: {len(plan.shared)} of {most} layers shared"
+                                  f"{crossing}")
 
 
 def no_shared_layer(plan: LayerPlan) -> Decision:

@@ -164,6 +164,13 @@ def compile_with_metadata(compile_one: CompileOne, gm: fx.GraphModule, example: 
     return compiled, context.fw_metadata
 
 
+def subclasses_crossing(border: Sequence[Any]) -> tuple[str, ...]:
+    """The tensor subclasses (by name) among a piece's (fake) input and output values."""
+    from .._torch_compat import is_traceable_wrapper_subclass
+
+    return tuple(sorted({type(v).__name__ for v in border if is_traceable_wrapper_subclass(v)}))
+
+
 def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
                    border: Sequence[Any] = ()) -> CompiledLayer | Refusal:
     """The :class:`CompiledLayer` of one AOT-compiled piece, or why it needs AOTAutograd's runtime.
@@ -175,9 +182,9 @@ def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
     (a DTensor crossing the border) is flattened and rebuilt by
     AOTAutograd's runtime, so such a piece keeps it.
     """
-    from .._torch_compat import OutputType, PlainTensorMeta, functorch_config, is_traceable_wrapper_subclass
+    from .._torch_compat import OutputType, PlainTensorMeta, functorch_config
 
-    crossing = sorted({type(v).__name__ for v in border if is_traceable_wrapper_subclass(v)})
+    crossing = subclasses_crossing(border)
     if crossing:
         return Refusal(Refused.SUBCLASS_AT_BORDER, f"a {', '.join(crossing)} crosses its border")
     graphs = {g.kind: (g.graph, g.compiled) for g in aot_graphs}

@@ -383,8 +383,9 @@ def test_shared_tp_layers_run_as_one_run(tmp_path, inner, style):
     pieces = _pieces_summary(tmp_path, model, x, inner=inner, share_layers=True)
     rows = [(r["layers"], r["calls"], r["runtime"]) for r in pieces["rows"]]
     # prefix (to_local of the weights), every layer (one compiled piece, the last
-    # one too: Note: [The last layer's border]), the loss
-    assert rows == [([], 1, "aot"), ([0, 1, 2, 3, 4], 5, "layer in run_0"), ([], 1, "aot")], rows
+    # one too: Note: [The last layer's border]), the loss (a DTensor: behind the
+    # lean DTensor border)
+    assert rows == [([], 1, "aot"), ([0, 1, 2, 3, 4], 5, "layer in run_0"), ([], 1, "DTensor border")], rows
 
 
 def test_layers_without_a_backward_keep_aotautograds_runtime(tmp_path):
@@ -423,7 +424,10 @@ class _DTensorWeightBlock(torch.nn.Module):
         return x + torch.nn.functional.linear(h, self.wo).redistribute(self.mesh, self.replicate)
 
 
-def test_auto_keeps_one_graph_when_dtensors_cross_the_layer_borders(tmp_path):
+def test_auto_shares_layers_that_dtensors_cross_behind_the_lean_border(tmp_path):
+    """Note: [No DTensor at an automatic border]: behind the lean DTensor border
+    (the default) "auto" shares such layers; without it, it keeps one graph and
+    share_layers=True runs them through AOTAutograd's runtime."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     mesh = mesh_1d()
@@ -434,8 +438,11 @@ def test_auto_keeps_one_graph_when_dtensors_cross_the_layer_borders(tmp_path):
         return blocks(x).sum()
 
     pieces = _pieces_summary(tmp_path / "auto", model, x, inner="aot_eager")
+    assert pieces["shared"] is True
+    assert {r["runtime"] for r in pieces["rows"] if r["calls"] > 1} == {"DTensor border"}
+    pieces = _pieces_summary(tmp_path / "auto_aot", model, x, inner="aot_eager", lean_border=False)
     assert pieces["shared"] is False
     assert "DTensors would cross the layer borders" in pieces["reason"], pieces["reason"]
-    pieces = _pieces_summary(tmp_path / "shared", model, x, inner="aot_eager", share_layers=True)
+    pieces = _pieces_summary(tmp_path / "shared", model, x, inner="aot_eager", share_layers=True, lean_border=False)
     assert pieces["shared"] is True
     assert {r["runtime"] for r in pieces["rows"] if r["calls"] > 1} == {"aot: a DTensor crosses its border"}

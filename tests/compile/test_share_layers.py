@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 import localmap_fx
 from localmap_fx.analysis import span_io
 from localmap_fx.graph_utils import node_value
-from localmap_fx.layer_sharing.decide import AUTO_MIN_LAYERS, Decision, Reason, decide
+from localmap_fx.layer_sharing.decide import AUTO_MIN_LAYERS, Decision, LayerCost, Reason, decide
 from localmap_fx.layer_sharing.find import find_layer_spans
 from localmap_fx.layer_sharing.plan import LayerSpan, compute_nodes
 from localmap_fx.layer_sharing.split import META_PIECE, merge_unshared
@@ -315,6 +315,14 @@ def test_auto_policy_shares_from_the_threshold_on():
             assert crossing.reason is Reason.DTENSOR_AT_BORDER and "(a, b, c, ...)" in crossing.text
             assert crossing.why_whole == crossing.text
             assert decide(plan, True, dtensor_borders=("a",)).shares
+            # behind the lean DTensor border they are shared, at the border's price under inductor
+            lean = decide(plan, "auto", dtensor_borders=("a",), lean_border=True)
+            assert lean.reason is Reason.SHARE and "the lean DTensor border" in lean.text
+            small, big = LayerCost(5 * 10**8, "cpu"), LayerCost(10**10, "cpu")  # 15 and 300 ms fwd+bwd
+            assert decide(plan, "auto", small, lean_border=True).shares
+            assert decide(plan, "auto", small, ("a",), lean_border=True).reason is Reason.NOT_WORTH_IT
+            assert "behind the DTensor border" in decide(plan, "auto", small, ("a",), lean_border=True).text
+            assert decide(plan, "auto", big, ("a",), lean_border=True).shares
 
 
 @pytest.mark.slow
@@ -437,10 +445,11 @@ Layers with one key run one compiled piece (compiled once).
 |---|---|---|---|---|---|---|
 | piece_0 | - | 1 | - | 4 | prefix / tail | aot |
 | piece_1 | 0, 1, 2 | 3 | KEY | 3 | - | layer in run_0 |
-| piece_4 | - | 1 | - | 3 | prefix / tail | aot |"""
+| piece_4 | - | 1 | - | 3 | prefix / tail | DTensor border |"""
     # prefix: to_local of x and of the 3 weights (Note: [Weights enter as
     # local tensors]); layer: x @ w, tanh, + x (bodies inline, boundaries
-    # fused); tail: from_local, x * x, sum
+    # fused); tail: from_local, x * x, sum (its output a DTensor: behind the
+    # lean DTensor border)
 
 
 def test_dump_says_why_layers_stay_in_one_graph(tmp_path):
@@ -535,3 +544,29 @@ def test_graph_break_splits_the_stack_into_frames_each_shared_on_its_own():
     assert [n for s, n in frames if s and n == "split_layers"] == ["split_layers"] * 2
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_attention_layers_that_dtensors_cross_share_behind_the_dtensor_border(tmp_path):
+    """torchtitan's style: the weights are DTensors used outside the region, so
+    DTensors cross every layer border.  Each layer piece is compiled once and
+    runs behind the lean DTensor border (Note: [No DTensor at an automatic
+    border]); with lean_border=False it keeps AOTAutograd's runtime."""
+    import glob
+    import json
+
+    from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
+
+    mesh = mesh_1d()
+    runtimes = {}
+    for lean in (True, False):
+        torch._dynamo.reset()
+        model = AttnStack(mesh, 4, d=16, n_heads=4)
+        x = attn_stack_input(mesh, 2, 4, 16)
+        dump = tmp_path / str(lean)
+        be = localmap_fx.backend("aot_eager", share_layers=True, lean_border=lean, dump_dir=str(dump))
+        torch.compile(model, backend=be)(x).backward()
+        (summary,) = glob.glob(str(dump / "*" / "summary.json"))
+        rows = json.load(open(summary))["pieces"]["rows"]
+        runtimes[lean] = {r["piece"]: (r["layers"], r["runtime"]) for r in rows}
+    assert runtimes[True]["piece_1"] == ([0, 1, 2], "DTensor border")
+    assert runtimes[False]["piece_1"] == ([0, 1, 2], "aot: a DTensor crosses its border")

@@ -1,6 +1,7 @@
 """The torchtitan-style attention stack (:mod:`localmap_fx.testing.attention_stack`)
 on 2 gloo ranks: eager equals torch's ``local_map``, and every way of compiling
-it (whole, regional, marked blocks) equals eager.
+it (whole, regional, marked blocks, layers shared behind the lean DTensor
+border) equals eager.
 
 Its blocks mix DTensor ops (projections, head views, redistribute, residual)
 with one region (SDPA over sharded heads), where :class:`TPStack`'s blocks are
@@ -15,7 +16,8 @@ import torch
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
-LAYERS = 2
+LAYERS = 3
+WAYS = ("whole", "regional", "marked", "shared")
 
 
 def _grads(fn, model, x) -> list[torch.Tensor]:
@@ -44,10 +46,10 @@ def _attention_vs_eager(rank: int, world_size: int, device: str) -> dict:
     report = {("torch_eager", k): (torch.equal(a, b), (a - b).abs().max().item())
               for k, (a, b) in enumerate(zip(eager, _grads(model, model, x)))}
     for inner in ("aot_eager", "inductor"):
-        for way in ("whole", "regional", "marked"):
+        for way in WAYS:
             torch._dynamo.reset()
             model, x = stack(marked=way == "marked")
-            backend = localmap_fx.backend(inner)
+            backend = localmap_fx.backend(inner, share_layers=True if way == "shared" else "auto")
             if way == "regional":
                 for block in model.blocks:
                     block.compile(backend=backend)
@@ -71,5 +73,5 @@ def test_attention_stack_compiled_every_way_equals_eager():
     results = run_ranks(_attention_vs_eager, world_size=2, timeout=900)
     bad = {(r, k): v for r, rep in enumerate(results) for k, v in rep.items() if not v[0]}
     assert not bad, bad
-    # loss, x and 4 weights per layer, for torch's eager and 6 compiled ways
-    assert len(results[0]) == 7 * (2 + 4 * LAYERS)
+    # loss, x and 4 weights per layer, for torch's eager and each compiled way
+    assert len(results[0]) == (1 + 2 * len(WAYS)) * (2 + 4 * LAYERS)
