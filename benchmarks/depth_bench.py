@@ -17,8 +17,9 @@ Model styles:
   ``local_map``-ed inner attention (SDPA, heads sharded), residual;
 * ``functional``: :func:`benchmarks.models.build_tp_stack` (weights passed as
   lists, no residual);
-* ``module_real``: ``module`` at real layer sizes (B 32, D 1024, H 1024: 67
-  MFLOP per rank per layer), cold compile of the two whole-model columns only.
+* ``module_real`` / ``attention_real``: ``module`` / ``attention`` at real
+  layer sizes (:data:`COLD_SHAPES`: 67 and 671 MFLOP per rank per layer
+  forward), cold compile of the two whole-model columns only.
 
 Columns (:data:`STYLE_COLUMNS` says which each style has), interleaved in one run:
 
@@ -57,7 +58,7 @@ import torch
 
 __all__ = ["COLUMNS", "STYLES", "cold_worker", "steady_ranks", "run", "main"]
 
-STYLES = ("module", "attention", "functional", "module_real")
+STYLES = ("module", "attention", "functional", "module_real", "attention_real")
 COLUMNS = ("upstream_whole", "upstream_regional", "ours_whole", "ours_regional")
 EXTRA = "ours_shared"  # share_layers=True: one compiled piece per layer, called per layer
 MARKED = "ours_marked"  # nested_compile_region on each block, the model compiled whole
@@ -68,10 +69,12 @@ STYLE_COLUMNS = {
     "attention": (*COLUMNS, MARKED),
     "functional": (*COLUMNS, EXTRA),
     "module_real": ("upstream_whole", "ours_whole"),
+    "attention_real": ("upstream_whole", "ours_whole"),
 }
 
 DEFAULT = {
-    "cold": {"module": [8, 16, 64], "attention": [16, 64], "functional": [8, 64], "module_real": [16, 64]},
+    "cold": {"module": [8, 16, 64], "attention": [16, 64], "functional": [8, 64], "module_real": [16, 64],
+             "attention_real": [16, 64]},
     "steady": {"module": [16, 64], "attention": [16, 64], "functional": [16, 64]},
     "warm": {"module": [16, 64], "attention": [16, 64]},
     "rounds": 8,
@@ -79,14 +82,14 @@ DEFAULT = {
 }
 FULL = {
     "cold": {"module": [8, 16, 32, 64], "attention": [8, 16, 32, 64], "functional": [8, 16, 32, 64],
-             "module_real": [16, 64]},
+             "module_real": [16, 64], "attention_real": [16, 64]},
     "steady": {"module": [8, 16, 32, 64], "attention": [8, 16, 32, 64], "functional": [8, 16, 32, 64]},
     "warm": {"module": [16, 64], "attention": [16, 64]},
     "rounds": 12,
     "calls": 3,
 }
 QUICK = {
-    "cold": {"module": [2], "attention": [2], "functional": [2], "module_real": [2]},
+    "cold": {"module": [2], "attention": [2], "functional": [2], "module_real": [2], "attention_real": [2]},
     "steady": {"module": [2], "attention": [2], "functional": [2]},
     "warm": {"module": [2]},
     "rounds": 1,
@@ -106,6 +109,8 @@ COLD_SHAPES = {
     "attention": {"batch": 2, "seq": 16, "d": 32, "n_heads": 4},
     # 67 MFLOP per rank per layer forward (2 ranks): the "real layer sizes"
     "module_real": {"batch": 32, "d": 1024, "hidden": 1024},
+    # projections 4 * 2 * 160 tokens * 1024 * 512 = 671 MFLOP per rank per layer forward
+    "attention_real": {"batch": 2, "seq": 80, "d": 1024, "n_heads": 16},
 }
 SHAPE = SHAPES["module"]
 # the step ratios reported (those whose two columns a style has)
@@ -133,8 +138,8 @@ def build(mesh, style: str, column: str, n: int, backend=None, **shape):
     impl = "torch" if column.startswith("upstream") else "ours"
     regional = column.endswith("regional")
     backend = backend if backend is not None else _backend(column)
-    if style in ("module", "module_real", "attention"):
-        if style == "attention":
+    if style in ("module", "module_real", "attention", "attention_real"):
+        if style.startswith("attention"):
             from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
 
             model: torch.nn.Module = AttnStack(mesh, n, d=shape["d"], n_heads=shape["n_heads"], impl=impl,

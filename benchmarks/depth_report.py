@@ -95,13 +95,13 @@ def figures(res: dict) -> list[dict]:
         med, lo, hi = _stats(v["price_per_layer_us"]["wall"])
         rows.append(_row(f"price[{style},{n}]", "(share_layers=True - default) / layers, µs per layer per step",
                          med, lo, hi, None, f"CPU {statistics.median(v['price_per_layer_us']['cpu']):.0f} µs"))
-    real = [(n, total("module_real", "ours_whole", n), total("module_real", "upstream_whole", n))
-            for n in sorted({int(k.split("/")[2]) for k in cold if k.startswith("module_real/")})]
-    for n, ours, up in real:
-        if ours and up:
-            rows.append(_row(f"real_whole[{n}]", f"cold compile at real layer sizes (67 MFLOP per rank per layer), "
-                             f"ours whole / upstream whole, {n} layers", ours / up, ours / up, ours / up, 0.50,
-                             f"{ours:.1f} s / {up:.1f} s"))
+    for style in ("module_real", "attention_real"):
+        for n in sorted({int(k.split("/")[2]) for k in cold if k.startswith(style + "/")}):
+            ours, up = total(style, "ours_whole", n), total(style, "upstream_whole", n)
+            if ours and up:
+                rows.append(_row(f"real_whole[{style},{n}]", f"cold compile at real layer sizes, ours whole / "
+                                 f"upstream whole, {style}, {n} layers", ours / up, ours / up, ours / up, 0.50,
+                                 f"{ours:.1f} s / {up:.1f} s"))
     for key, r in sorted((res.get("warm") or {}).items()):
         style, side, n = key.split("/")
         target = None if side.startswith("upstream") else 0.25

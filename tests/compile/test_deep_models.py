@@ -231,7 +231,8 @@ def test_depth_report_reads_a_result_and_draws_it():
     assert rows["cold_marked[module]"]["median"] == pytest.approx(69 / 65) and rows["cold_marked[module]"]["met"]
     assert rows["regional_whole[module,16]"]["met"] and rows["regional[module,16]"]["median"] == pytest.approx(0.8)
     assert rows["marked[module,16]"]["median"] == pytest.approx(1.0)
-    assert rows["real_whole[64]"]["median"] == pytest.approx(0.25) and rows["real_whole[64]"]["met"]
+    assert rows["real_whole[module_real,64]"]["median"] == pytest.approx(0.25)
+    assert rows["real_whole[module_real,64]"]["met"]
     assert rows["warm[module,ours_whole,16]"]["met"] and rows["warm[module,ours_marked,16]"]["met"] is False
     md = markdown(res)
     assert "| module | ours_whole | 64 |" in md
