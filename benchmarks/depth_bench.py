@@ -1,7 +1,7 @@
 """Deep models: compile time, step time and warm restart against depth, whole / regional / marked.
 
-    python -m benchmarks.depth_bench                 # default sweep (~25 min on 2 CPUs)
-    python -m benchmarks.depth_bench --full          # every depth, 8 16 32 64
+    python -m benchmarks.depth_bench                 # issue 27's figures (~35 min on 2 CPUs)
+    python -m benchmarks.depth_bench --full          # every style and depth, 8 16 32 64
     python -m benchmarks.depth_bench --quick         # every code path once; numbers mean nothing
     python -m benchmarks.depth_bench --only warm     # one measurement: cold, steady or warm
 
@@ -72,12 +72,12 @@ STYLE_COLUMNS = {
     "attention_real": ("upstream_whole", "ours_whole"),
 }
 
-DEFAULT = {
-    "cold": {"module": [8, 16, 64], "attention": [16, 64], "functional": [8, 64], "module_real": [16, 64],
-             "attention_real": [16, 64]},
-    "steady": {"module": [16, 64], "attention": [16, 64], "functional": [16, 64]},
-    "warm": {"module": [16, 64], "attention": [16, 64]},
-    "rounds": 8,
+DEFAULT = {  # issue 27's figures: both stacks at 16 and 64 layers
+    "cold": {"module": [16, 64], "attention": [16, 64], "module_real": [64], "attention_real": [64]},
+    "steady": {"module": [16, 64], "attention": [16, 64]},
+    "warm": {"module": [16, 64], "attention": [16]},
+    "warm_modes": ("whole", "regional", "marked"),
+    "rounds": 6,
     "calls": 3,
 }
 FULL = {
@@ -310,16 +310,17 @@ WARM_MODES = {"whole": "ours_whole", "regional": "ours_regional", "marked": MARK
               "upstream_whole": "upstream_whole", "upstream_regional": "upstream_regional"}
 
 
-def warm_restarts(plan: dict[str, list[int]], log=print) -> dict:
+def warm_restarts(plan: dict[str, list[int]], log=print, modes=None) -> dict:
     """Cold then warm first step in fresh processes (:func:`benchmarks.warm_restart.warm_restart`),
-    per style, depth and mode; keys ``style/column/layers``."""
+    per style, depth and mode (``modes``: of :data:`WARM_MODES`, all by default); keys
+    ``style/column/layers``."""
     from .warm_restart import MODES, warm_restart
 
     out: dict = {}
     for style, depths in plan.items():
         for n in depths:
             for mode, column in WARM_MODES.items():
-                if mode not in MODES or column not in STYLE_COLUMNS[style]:
+                if mode not in MODES or column not in STYLE_COLUMNS[style] or (modes and mode not in modes):
                     continue
                 r = warm_restart(mode, n, style=style)
                 out[f"{style}/{column}/{n}"] = r
@@ -351,7 +352,7 @@ def run(cfg: dict, only: set[str] | None = None, log=print) -> dict:
     if cfg.get("warm") and (only is None or "warm" in only):
         log("[depth] warm restart (fresh processes) ...")
         t2 = time.perf_counter()
-        res["warm"] = warm_restarts(cfg["warm"], log)
+        res["warm"] = warm_restarts(cfg["warm"], log, cfg.get("warm_modes"))
         res["warm_s"] = time.perf_counter() - t2
     res["load_end"] = _loadavg()
     res["run_s"] = time.perf_counter() - t0
