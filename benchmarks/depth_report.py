@@ -188,7 +188,7 @@ def plot_png(res: dict) -> bytes | None:
     panels = []
     cold = res.get("cold") or {}
     steady = res.get("steady") or {}
-    for style in ("module", "functional"):
+    for style in ("module", "attention", "functional"):
         series: dict[str, list[tuple[float, float]]] = {}
         for key, m in cold.items():
             st, side, n = key.split("/")
