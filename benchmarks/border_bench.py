@@ -88,8 +88,10 @@ def measure(mesh, n: int, rounds: int, calls: int, shape: dict, sync=None) -> di
 def per_call(mesh, rounds: int, calls: int, shape: dict) -> dict:
     """One block's compiled callable called directly (no Dynamo frame), forward +
     backward with a Partial gradient, as in a regional stack: behind the lean
-    border, behind AOTAutograd's runtime, and the compiled forward and backward
-    alone (the floor).  Returns µs per call and the border's cost over the floor."""
+    border, behind AOTAutograd's runtime, behind one bare autograd node around
+    the same compiled graphs (``node``: :func:`_node_border`), and the compiled
+    forward and backward alone (the floor).  Returns µs per call, each side's
+    cost over the floor, and the lean border's over the node."""
     from torch.distributed.tensor import DTensor, Partial
 
     from localmap_fx.compiler.options import BackendOptions
