@@ -88,8 +88,10 @@ def measure(mesh, n: int, rounds: int, calls: int, shape: dict, sync=None) -> di
 def per_call(mesh, rounds: int, calls: int, shape: dict) -> dict:
     """One block's compiled callable called directly (no Dynamo frame), forward +
     backward with a Partial gradient, as in a regional stack: behind the lean
-    border, behind AOTAutograd's runtime, and the compiled forward and backward
-    alone (the floor).  Returns µs per call and the border's cost over the floor."""
+    border, behind AOTAutograd's runtime, behind one bare autograd node around
+    the same compiled graphs (``node``: :func:`_node_border`), and the compiled
+    forward and backward alone (the floor).  Returns µs per call, each side's
+    cost over the floor, and the lean border's over the node."""
     from torch.distributed.tensor import DTensor, Partial
 
     from localmap_fx.compiler.options import BackendOptions
@@ -138,11 +140,51 @@ def per_call(mesh, rounds: int, calls: int, shape: dict) -> dict:
     for _ in range(3):
         side(fns["lean"])()
         side(fns["aot"])()
-    paired = time_paired({"lean": side(fns["lean"]), "aot": side(fns["aot"]), "floor": floor}, rounds, calls,
-                         cpu_clock="process_cpu")
-    us = {k: statistics.median(paired.per_call(k, "cpu")) * 1e6 for k in ("lean", "aot", "floor")}
+    node = side(_node_border(border, args))
+    node()
+    sides = {"lean": side(fns["lean"]), "aot": side(fns["aot"]), "node": node, "floor": floor}
+    paired = time_paired(sides, rounds, calls, cpu_clock="process_cpu")
+    us = {k: statistics.median(paired.per_call(k, "cpu")) * 1e6 for k in sides}
     return {"cpu_us_per_call": us,
-            "border_us": {k: statistics.median(paired.extras(k, "floor", "cpu")) * 1e6 for k in ("lean", "aot")}}
+            "border_us": {k: statistics.median(paired.extras(k, "floor", "cpu")) * 1e6 for k in ("lean", "aot", "node")},
+            "lean_over_node_us": statistics.median(paired.extras("lean", "node", "cpu")) * 1e6}
+
+
+def _node_border(border, args):
+    """What any border built on one autograd node pays, and no more: the
+    border's compiled graphs (its ``Partial`` variant's backward) in one
+    ``autograd.Function`` that unwraps and wraps with nothing checked or
+    looked up (its specs and argument positions fixed here), then the engine
+    and the accumulation of the DTensor gradients.  A reference for
+    ``--per-call``, valid for this block only."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    first = border.first.layer
+    variant = next(v for t, v in border.variants.items() if t == ((Partial(),),))
+    bw = variant.layer.backward
+    dt_in = [i for i, a in enumerate(args) if isinstance(a, DTensor)]
+    (out_spec,) = [s.spec for s in border.outputs]
+    wraps = [(i, variant.in_grad_specs[i]) for i in dt_in]
+    n = first.n_outputs
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *a):
+            local = list(a)
+            for i in dt_in:
+                local[i] = local[i]._local_tensor
+            flat = first.forward(local)
+            ctx.save_for_backward(*flat[n:])
+            return DTensor.__new__(DTensor, flat[0], out_spec, requires_grad=False)
+
+        @staticmethod
+        def backward(ctx, g):
+            out = list(bw([*ctx.saved_tensors, g._local_tensor]))
+            for i, spec in wraps:
+                out[i] = DTensor.__new__(DTensor, out[i], spec, requires_grad=False)
+            return tuple(out)
+
+    return lambda *a: (Node.apply(*a),)
 
 
 def _gloo_rank(rank: int, world_size: int, device: str, cfg: dict) -> dict:

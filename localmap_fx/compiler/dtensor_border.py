@@ -61,6 +61,26 @@ Note: [The border's wrapper graph]
                      x = enter_0(x_local); w = enter_2(w_local)
                      ... (the Dynamo graph, copied)
                      return (y.to_local(grad_placements=T0),)
+
+Note: [The border's hot path]
+    A regional stack calls one border once per block per step, so its
+    per-call Python is paid as often as the compiled code runs.  Everything
+    a call reads is built at compile time (which inputs to unwrap, which
+    outputs to wrap and their specs, per backward its tangent layouts and
+    the specs of the input gradients), and a call checks only what can
+    change: each DTensor input's type, placements and shape; each
+    gradient's type and local shape.  Two torch costs are avoided:
+    comparing placements of different classes (``Partial() != Replicate()``
+    costs ~3 µs in torch 2.14, pybind), which picking the backward for the
+    arriving gradient did per call; and ``DTensor.__init__``, a no-op behind
+    ``torch._disable_dynamo`` (:func:`_new_dtensor`).  The backward is
+    picked by the identity of the placements tuples that arrived (a spec
+    the border built for the next block's input gradient, or one DTensor's
+    sharding propagation reuses, arrives as the same object each step);
+    the tuples are kept alive while remembered, so an identity is never
+    reused by another tuple, and at most ``_SEEN`` are remembered (a
+    gradient built anew each step misses and is compared by value).
+    Costs per call are in docs/benchmarks.md (the lean border's section).
 """
 
 from __future__ import annotations
@@ -72,6 +92,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from .._torch_compat import FakeTensor, get_current_graph_task_keep_graph
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
@@ -305,6 +326,31 @@ def _default_tangent(placements: Placements) -> Placements:
     return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
+_SEEN = 16  # identities of arrived placements remembered per border
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """What a backward call reads for one tangent placement, built once (Note: [The border's hot path])."""
+
+    variant: _Variant
+    # per tangent: (output index, local size, stride, dtype, device)
+    tangents: tuple[tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device], ...]
+    # per DTensor input: (input index, the spec its gradient gets; None: its trace recorded none)
+    wraps: tuple[tuple[int, Any], ...]
+    # the gradients must first be redistributed to the first variant's placements
+    redistribute: bool
+
+    @staticmethod
+    def of(variant: _Variant, inputs: Sequence[_Slot], redistribute: bool) -> _Backward:
+        layer = variant.layer
+        tangents = tuple((i, torch.Size(size), stride, dtype, device) for i, (size, stride), (dtype, device)
+                         in zip(layer.differentiable, layer.tangent_layouts, layer.tangent_types))
+        wraps = tuple((i, spec) for i, (spec, s) in enumerate(zip(variant.in_grad_specs, inputs))
+                      if s.spec is not None)
+        return _Backward(variant, tangents, wraps, redistribute)
+
+
 class DTensorBorder:
     """A compiled graph run between DTensors (Note: [A backward per tangent placement])."""
 
@@ -320,8 +366,21 @@ class DTensorBorder:
         # tangent placements -> a variant whose backward reads first's saved values, or None
         # (its forward differs: such gradients are redistributed to first's placements)
         self.variants: dict[tuple, _Variant | None] = {first.tangents: first}
+        # Note: [The border's hot path]: everything a call reads, built once
         self._in_checks = tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs)
                                 if s.spec is not None)
+        self._dt_inputs = tuple(i for i, s in enumerate(inputs) if s.spec is not None)
+        self._out_specs = tuple((i, s.spec) for i, s in enumerate(outputs) if s.spec is not None)
+        layer = first.layer
+        self._non_differentiable = tuple(i for i in range(layer.n_outputs) if i not in layer.differentiable)
+        # the forward's saved values are all tensors: save_for_backward alone
+        self._tensors_only = not (layer.n_opaque or layer.n_symints)
+        self._dt_grads = tuple(i for i in layer.differentiable if outputs[i].spec is not None)
+        # tangent placements -> its _Backward; by the identity of the placements
+        # tuples that arrived (a spec the border or DTensor's sharding
+        # propagation reuses): (those tuples, kept alive, and the _Backward)
+        self._backwards: dict[tuple, _Backward] = {}
+        self._seen: dict[tuple[int, ...], tuple[tuple, _Backward]] = {}
 
     def text(self) -> str:
         seen = ", ".join(
@@ -330,8 +389,6 @@ class DTensorBorder:
                f"{sum(s.spec is not None for s in self.outputs)} DTensor outputs; backward for tangents {seen}"
 
     def __call__(self, *args: Any) -> tuple:
-        from torch.distributed.tensor import DTensor
-
         for i, placements, shape in self._in_checks:
             a = args[i]
             if type(a) is not DTensor or a.placements != placements or a.shape != shape:
@@ -340,6 +397,39 @@ class DTensorBorder:
                     f"localmap_fx: input {i} of a compiled graph is {got}, traced as DTensor {placements} "
                     f"{tuple(shape)}; the compiled code would misread it")
         return _BorderFunction.apply(self, *args)
+
+    def backward_for(self, grads: Sequence[Any]) -> _Backward:
+        """The backward for the placements of ``grads`` (one per graph output)."""
+        arrived: list[Placements | None] = []
+        for i in self._dt_grads:
+            g = grads[i]
+            if g is None:
+                arrived.append(None)
+                continue
+            if not isinstance(g, DTensor):
+                raise RuntimeError(
+                    f"localmap_fx: the gradient of output {i} of a compiled graph is a {type(g).__name__}, "
+                    f"not a DTensor like the output")
+            arrived.append(g.placements)
+        key = tuple(map(id, arrived))
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[1]
+        seen = list(self.first.tangents)
+        for i, p in zip(self._dt_grads, arrived):
+            if p is not None:
+                seen[i] = p
+        tangents = tuple(seen)
+        bw = self._backwards.get(tangents)
+        if bw is None:
+            variant = self.variant_for(tangents)
+            bw = self._backwards[tangents] = _Backward.of(variant if variant is not None else self.first,
+                                                          self.inputs, redistribute=variant is None)
+        if len(self._seen) >= _SEEN:
+            # fresh placements every step (a gradient built anew each time): start over
+            self._seen.clear()
+        self._seen[key] = (tuple(arrived), bw)
+        return bw
 
     def variant_for(self, tangents: tuple) -> _Variant | None:
         """The variant for gradients in ``tangents`` (compiled at the first call), None if unusable."""
@@ -467,19 +557,25 @@ _DONATED = (
 class _BorderFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, border: DTensorBorder, *args: Any):
-        from torch.distributed.tensor import DTensor
-
         layer = border.first.layer
-        local = [a._local_tensor if s.spec is not None else a for a, s in zip(args, border.inputs)]
-        outs, saved = layer.split(layer.forward(local))
-        results = tuple(o if s.spec is None else DTensor(o, s.spec, requires_grad=False)
-                        for o, s in zip(outs, border.outputs))
-        keep = set(layer.differentiable)
-        others = [r for i, r in enumerate(results) if i not in keep]
-        if others:
-            ctx.mark_non_differentiable(*others)
-        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
-        ctx.others = [_TENSOR if isinstance(v, torch.Tensor) else v for v in saved]
+        local = list(args)
+        for i in border._dt_inputs:
+            local[i] = local[i]._local_tensor
+        flat = layer.forward(local)
+        n = layer.n_outputs
+        outs = list(flat[:n])
+        for i, spec in border._out_specs:
+            outs[i] = _new_dtensor(outs[i], spec)
+        results = tuple(outs)
+        if border._non_differentiable:
+            ctx.mark_non_differentiable(*(results[i] for i in border._non_differentiable))
+        if border._tensors_only:
+            ctx.save_for_backward(*flat[n:])
+            ctx.others = None
+        else:
+            _, saved = layer.split(flat)
+            ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+            ctx.others = [_TENSOR if isinstance(v, torch.Tensor) else v for v in saved]
         ctx.border = border
         ctx.set_materialize_grads(False)
         return results
@@ -494,9 +590,6 @@ class _BorderFunction(torch.autograd.Function):
     @staticmethod
     @torch.compiler.disable(reason="a compiled graph's backward runs as compiled")
     def backward(ctx, *grads: Any):
-        from torch.distributed.tensor import DTensor
-
-
         if torch.is_grad_enabled():
             # create_graph=True: the compiled backward has no backward of its
             # own, and gradients that silently stop here would be misread
@@ -504,54 +597,53 @@ class _BorderFunction(torch.autograd.Function):
             raise RuntimeError("torch.compile with aot_autograd does not currently support double backward")
 
         border: DTensorBorder = ctx.border
-        first = border.first
-        differentiable = first.layer.differentiable
-        seen = list(first.tangents)
-        for i in differentiable:
-            g = grads[i]
-            if border.outputs[i].spec is None or g is None:
-                continue
-            if not isinstance(g, DTensor):
-                raise RuntimeError(
-                    f"localmap_fx: the gradient of output {i} of a compiled graph is a {type(g).__name__}, "
-                    f"not a DTensor like the output")
-            seen[i] = g.placements
-        seen_t = tuple(seen)
-        variant = border.variant_for(seen_t) if seen_t != first.tangents else first
-        if variant is None:
+        bw = border.backward_for(grads)
+        if bw.redistribute:
             # Note: [A backward per tangent placement]: AOTAutograd's way
-            variant = first
-            grads = tuple(g if (i not in differentiable or g is None or border.outputs[i].spec is None
-                                or g.placements == first.tangents[i])
-                          else g.redistribute(g.device_mesh, first.tangents[i])
+            first = border.first.tangents
+            grads = tuple(g if g is None or border.outputs[i].spec is None or g.placements == first[i]
+                          else g.redistribute(g.device_mesh, first[i])
                           for i, g in enumerate(grads))
-        layer = variant.layer
+        layer = bw.variant.layer
         if layer.donates_buffers and get_current_graph_task_keep_graph():
             raise RuntimeError(_DONATED)
-        tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if v is _TENSOR else v for v in ctx.others]
-        del tensors
+        if ctx.others is None:
+            args = list(ctx.saved_tensors)
+        else:
+            tensors = iter(ctx.saved_tensors)
+            args = [next(tensors) if v is _TENSOR else v for v in ctx.others]
+            del tensors
         ctx.maybe_clear_saved_tensors()
-        tangents = []
-        for i, layout, (dtype, device) in zip(differentiable, layer.tangent_layouts, layer.tangent_types):
+        for i, size, stride, dtype, device in bw.tangents:
             g = grads[i]
             if g is None:
-                tangents.append(torch.empty_strided(*layout, dtype=dtype, device=device).zero_())
+                args.append(torch.empty_strided(size, stride, dtype=dtype, device=device).zero_())
                 continue
             if isinstance(g, DTensor):
                 g = g._local_tensor
-            if tuple(g.shape) != layout[0]:
+            if g.shape != size:
                 raise RuntimeError(
                     f"localmap_fx: the gradient of output {i} of a compiled graph has local shape "
-                    f"{tuple(g.shape)}, its backward was compiled for {layout[0]}")
-            tangents.append(_as_traced(g, layout))
-        in_grads = layer.backward(saved + tangents)
-        out = []
-        for g, spec, s in zip(in_grads, variant.in_grad_specs, border.inputs):
-            if g is None or s.spec is None:
-                out.append(g)
-            elif spec is None:
-                raise AssertionError("a DTensor input got a gradient its trace did not record")
-            else:
-                out.append(DTensor(g, spec, requires_grad=False))
+                    f"{tuple(g.shape)}, its backward was compiled for {tuple(size)}")
+            args.append(g if g.stride() == stride or g.numel() <= 1 else _as_traced(g, (size, stride)))
+        out = list(layer.backward(args))
+        for i, spec in bw.wraps:
+            g = out[i]
+            if g is not None:
+                if spec is None:
+                    raise AssertionError("a DTensor input got a gradient its trace did not record")
+                out[i] = _new_dtensor(g, spec)
         return (None, *out)
+
+
+def _new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
+    """``DTensor(local, spec, requires_grad=False)`` without its ``__init__``.
+
+    ``DTensor(...)`` is ``DTensor.__new__`` (the C++ constructor, which sets
+    the spec and the local tensor) then ``DTensor.__init__``, which does
+    nothing but is wrapped in ``torch._disable_dynamo`` (an eval-frame switch,
+    more than half of the construction's time).  The border builds its
+    DTensors where Dynamo never traces (inside the compiled graph's call,
+    which Dynamo runs disabled, and in its backward).
+    """
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,8 +105,9 @@ class CompiledLayer:
     # it must not run twice on one forward (retain_graph=True)
     donates_buffers: bool = False
 
-    @property
+    @functools.cached_property
     def differentiable(self) -> tuple[int, ...]:
+        # read per call by the runs and the DTensor border: built once
         return self.tangent_outputs if self.tangent_outputs is not None else tuple(range(self.n_outputs))
 
     def split(self, flat: Sequence[Any]) -> tuple[tuple, list]:

@@ -168,6 +168,74 @@ def test_gradient_redistributed_when_no_backward_fits():
     assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
 
 
+def test_gradients_alternating_placements_pick_their_backward_each_call():
+    """One compiled graph whose output's gradient arrives Partial, then
+    Replicate, then Partial again, each time in a fresh DTensor: every call
+    runs the backward of the placements that arrived (the border remembers
+    placements by identity, Note: [The border's hot path]), and equals eager."""
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+
+    def partial(y):
+        return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
+
+    def replicate(y):
+        return (y.to_local() ** 2).sum()
+
+    eager = {}
+    for down in (partial, replicate):
+        down(_col_row(x, w1, w2)).backward()
+        eager[down] = _grads(x, w1, w2)
+        _clear(x, w1, w2)
+    backend, seen = _recording("aot_eager")
+    f = torch.compile(_col_row, backend=backend)
+    for down in (partial, replicate, partial, replicate, partial):
+        down(f(x, w1, w2)).backward()
+        got = _grads(x, w1, w2)
+        _same(eager[down], got)
+        assert got[0][0] == eager[down][0][0]  # x's gradient keeps eager's placements
+        _clear(x, w1, w2)
+    (border,) = seen
+    assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
+
+
+def test_border_remembers_few_placement_identities():
+    """A gradient built anew each step (new placements objects): the border's
+    memory of placements it saw stays bounded."""
+    from localmap_fx.compiler import dtensor_border as module
+
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    backend, seen = _recording("aot_eager")
+    f = torch.compile(_col_row, backend=backend)
+    for _ in range(module._SEEN + 4):
+        y = f(x, w1, w2)
+        grad = DTensor.from_local(torch.ones_like(y.to_local()), y.device_mesh, (Partial(),), run_check=False)
+        y.backward(grad)
+    (border,) = seen
+    assert 0 < len(border._seen) <= module._SEEN
+
+
+def test_dtensors_the_border_builds_are_dtensors_as_the_constructor_builds_them():
+    """``_new_dtensor`` (DTensor.__new__ without __init__) gives what
+    ``DTensor(local, spec, requires_grad=False)`` gives."""
+    from localmap_fx.compiler.dtensor_border import _new_dtensor
+
+    x = _dt((8, 16), [Shard(0)], 0)
+    local, spec = x.to_local().detach(), x._spec
+    a = DTensor(local, spec, requires_grad=False)
+    b = _new_dtensor(local, spec)
+    assert type(a) is type(b) is DTensor
+    assert b._spec is spec and b._local_tensor is local
+    for read in (lambda t: t.shape, lambda t: t.stride(), lambda t: t.dtype, lambda t: t.device,
+                 lambda t: t.requires_grad, lambda t: t.placements, lambda t: t.device_mesh,
+                 lambda t: t.grad_fn, lambda t: t.is_leaf):
+        assert read(a) == read(b)
+    assert torch.equal((b * 2).full_tensor(), (a * 2).full_tensor())
+
+
 def test_shard_output_with_plain_and_non_differentiable_outputs():
     """Several outputs: a Shard(0) DTensor, a plain tensor and an integer DTensor
     (no gradient); one input that needs no gradient."""
