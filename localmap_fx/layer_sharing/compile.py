@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import is_input_to_local, node_value
+from ..graph_utils import node_value
 from ..passes import PassResult
 from .plan import digest
 from .runs import chain_layer_runs, find_layer_runs, runs_of
 from .runtime import CompiledLayer, Refusal, compile_with_metadata, compiled_layer
 from .split import META_PIECE, PieceMeta, pieces_of
+from .unwrap import Unwrap, unwrap_of
 
 if TYPE_CHECKING:
     from ..compiler.inner import AotGraph, CompileOne
@@ -59,6 +60,8 @@ class CompiledPiece:
 
     @property
     def runtime(self) -> str:
+        if isinstance(self.fn, Unwrap):
+            return self.fn.text()
         if isinstance(self.layer, CompiledLayer):
             return "layer"
         return f"aot: {self.layer.text}" if isinstance(self.layer, Refusal) else "aot"
@@ -107,30 +110,12 @@ def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileO
     return CompiledPiece(name, fn, compiled.aot_graphs, layer)
 
 
-# Note: [A piece that only unwraps skips Inductor]
-#     The prefix piece of a split frame is often only ``to_local`` of the
-#     frame's DTensor inputs (the weights).  Inductor compiles its forward to
-#     an empty graph that returns the weights' own local tensor objects, and
-#     AOTAutograd's autograd.Function then gives those objects a grad_fn: the
-#     parameter's ``_local_tensor`` turns requires_grad=True, Dynamo's guard
-#     on it fails and the frame recompiles on the next step (and an empty
-#     graph has no FX cache key, so it is never cached).  Compiled by
-#     AOTAutograd without Inductor (``unwraps``: the aot_eager inner
-#     compiler), its graph returns aliases, new tensor objects (16-layer TP
-#     stack on CPU: step 2.92 ms against 2.81-2.88 ms with the Inductor
-#     prefix; eager ``to_local`` per weight was slower).
-def only_unwraps(sub: fx.GraphModule) -> bool:
-    """Does ``sub`` do nothing but ``to_local`` of its inputs?"""
-    body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
-    return bool(body) and all(is_input_to_local(n) for n in body)
-
-
-def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, unwraps: CompileOne | None = None,
-                   ) -> list[PieceReport]:
+def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne) -> list[PieceReport]:
     """Give every piece of ``outer`` its compiled callable (one compile per key).
 
-    ``unwraps`` compiles a piece that only unwraps (Note: [A piece that only
-    unwraps skips Inductor]); ``compile_one`` the others.  The graph is not
+    A piece that only unwraps its DTensor inputs is no compile: it runs as an
+    :class:`~.unwrap.Unwrap` (Note: [A piece that only unwraps runs as an
+    Unwrap]); ``compile_one`` compiles the others.  The graph is not
     edited: its code looks each piece up as ``self.piece_<i>`` when it runs,
     so it calls the compiled ones.
     """
@@ -142,9 +127,12 @@ def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, unwraps: Comp
         sub: Any = outer.get_submodule(target)
         compiled = by_key.get(meta.key) if meta.key is not None else None
         if compiled is None:
-            example = [node_value(a) for a in call.args]
-            one = unwraps if unwraps is not None and meta.key is None and only_unwraps(sub) else compile_one
-            compiled = compile_piece(sub, example, one, target, meta.key is not None)
+            unwrap = unwrap_of(sub) if meta.key is None else None
+            if unwrap is not None:
+                compiled = CompiledPiece(target, unwrap)
+            else:
+                example = [node_value(a) for a in call.args]
+                compiled = compile_piece(sub, example, compile_one, target, meta.key is not None)
             if meta.key is not None:
                 by_key[meta.key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))

@@ -98,9 +98,10 @@ def _piece_reason(spans: Sequence[LayerSpan], a: int, b: int, n_nodes: int) -> s
 #     an unshared first layer (Note: [Unshared neighbours are one piece]).
 #     Compiled by Inductor, that piece returns the weights' own local tensor
 #     objects, which AOTAutograd's autograd.Function then gives a grad_fn:
-#     the same parameter mutation and per-step recompile as Note: [A piece
-#     that only unwraps skips Inductor].  So those unwraps go first, in a
-#     piece of their own, which that note compiles without Inductor.
+#     the parameter's local tensor turns requires_grad=True and Dynamo's
+#     guard on it recompiles the frame on the next step.  So those unwraps
+#     go first, in a piece of their own, which runs as an Unwrap (Note: [A
+#     piece that only unwraps runs as an Unwrap]).
 def _lift_unwraps(piece_nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
     """``piece_nodes`` as the pieces to emit: the unwraps of inputs read
     after the piece, alone and first, then the rest."""
