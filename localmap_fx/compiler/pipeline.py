@@ -166,7 +166,10 @@ def _inner(f: FrameState) -> None:
         return
     from ..layer_sharing.compile import compile_pieces
 
-    f.reports = compile_pieces(f.gm, f.compile_one)
+    # Note: [A piece without matrix products skips Inductor] in layer_sharing/compile.py
+    small = (inner_compiler(dataclasses.replace(f.opts, inner="aot_eager"), f.observer)
+             if f.opts.inner == "inductor" else None)
+    f.reports = compile_pieces(f.gm, f.compile_one, small)
 
 
 def _layer_runs(f: FrameState) -> None:

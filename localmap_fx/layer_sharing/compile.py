@@ -110,14 +110,35 @@ def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileO
     return CompiledPiece(name, fn, compiled.aot_graphs, layer)
 
 
-def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne) -> list[PieceReport]:
+# Note: [A piece without matrix products skips Inductor]
+#     A piece used once (no layer key: the code before the first layer, an
+#     unshared layer, the loss after the last) whose nodes hold no matrix
+#     product is a handful of pointwise ops and reductions run once per
+#     step, e.g. a TP stack's ``(h * h).sum()``.  Inductor would generate a
+#     C++ (or Triton) file for its forward and one for its backward, each
+#     compiled at cold start (about 0.5 CPU-s per file on the CPU stack), to
+#     save a few microseconds per step; AOTAutograd alone (``small``: the
+#     aot_eager inner compiler) traces it and runs its ATen ops.  A piece
+#     with a matrix product (an unshared layer, an output projection) keeps
+#     the inner compiler.
+def skips_inductor(sub: fx.GraphModule) -> bool:
+    """Is ``sub`` a piece without matrix products (Note: [A piece without matrix products skips Inductor])?"""
+    from .decide import has_matmul
+
+    return not has_matmul(sub.graph.nodes)
+
+
+def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, small: CompileOne | None = None,
+                   ) -> list[PieceReport]:
     """Give every piece of ``outer`` its compiled callable (one compile per key).
 
     A piece that only unwraps its DTensor inputs is no compile: it runs as an
     :class:`~.unwrap.Unwrap` (Note: [A piece that only unwraps runs as an
-    Unwrap]); ``compile_one`` compiles the others.  The graph is not
-    edited: its code looks each piece up as ``self.piece_<i>`` when it runs,
-    so it calls the compiled ones.
+    Unwrap]); ``small`` compiles a piece used once that holds no matrix
+    product (Note: [A piece without matrix products skips Inductor]),
+    ``compile_one`` the others.  The graph is not edited: its code looks
+    each piece up as ``self.piece_<i>`` when it runs, so it calls the
+    compiled ones.
     """
     by_key: dict[tuple, CompiledPiece] = {}
     reports: list[PieceReport] = []
@@ -132,7 +153,8 @@ def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne) -> list[Piece
                 compiled = CompiledPiece(target, unwrap)
             else:
                 example = [node_value(a) for a in call.args]
-                compiled = compile_piece(sub, example, compile_one, target, meta.key is not None)
+                one = small if small is not None and meta.key is None and skips_inductor(sub) else compile_one
+                compiled = compile_piece(sub, example, one, target, meta.key is not None)
             if meta.key is not None:
                 by_key[meta.key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))

@@ -324,14 +324,17 @@ def test_inductor_generates_kernels_once_per_distinct_layer():
 
     mesh = mesh_1d()
     counts = {}
-    for n in (2, 4):
+    for n in (3, 6):
         x, ws, bs = _state(mesh, n)
         torch._dynamo.reset()
         metrics.reset()
         f = torch.compile(_step(_layer_fn(mesh)), backend=localmap_fx.backend("inductor", share_layers=True))
         f(x, ws, bs).backward()
         counts[n] = metrics.generated_kernel_count
-    assert counts[2] == counts[4] > 0
+    # (from 3 layers on the last one is shared too: Note: [The last layer's
+    # border]; the loss after it has no matrix product and skips Inductor:
+    # Note: [A piece without matrix products skips Inductor])
+    assert counts[3] == counts[6] > 0
 
 
 def test_shared_pieces_give_the_unshared_answer():
