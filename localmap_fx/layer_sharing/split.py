@@ -123,8 +123,9 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
     ``graph_module``, with nothing to recompile) keeps ``gm``'s placeholders
     and output and calls ``piece_<i>`` submodules; each call node carries
     ``meta[META_PIECE]``, a :class:`PieceMeta`.
-    Spans with equal keys get structurally identical submodules (same input
-    order, same outputs), so one compiled callable serves them all.
+    Spans with equal keys are structurally identical (same input order, same
+    outputs): their calls share one submodule, copied from the first, and
+    one compiled callable serves them all.
     """
     nodes = list(plan.nodes)
     cuts = merge_unshared(_cuts(plan, len(nodes)))
@@ -151,6 +152,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
         if len(split) == 2:
             parts.append((split[0], PieceMeta("", None, None, unshared)))
         parts.append((split[-1], meta))
+    by_key: dict[tuple, fx.GraphModule] = {}
     for piece_nodes, meta in parts:
         inputs, outputs = span_io(piece_nodes)
         if not outputs:
@@ -160,7 +162,12 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
             continue
         name = f"piece_{n_piece}"
         n_piece += 1
-        sub = _copy_span(gm, piece_nodes, inputs, outputs, name)
+        # equal keys give identical submodules: one copy serves them all
+        sub = by_key.get(meta.key) if meta.key is not None else None
+        if sub is None:
+            sub = _copy_span(gm, piece_nodes, inputs, outputs, name)
+            if meta.key is not None:
+                by_key[meta.key] = sub
         root.add_module(name, sub)
         call = outer.call_module(name, tuple(env[i] for i in inputs))
         call.meta[META_PIECE] = dataclasses.replace(meta, name=name)
