@@ -73,7 +73,7 @@ class TestMarkedGraph(expecttest.TestCase):
     def test_outer_graph_calls_prefix_one_run_and_tail(self):
         outer = _compile(3).stage("layer_runs")
         self.assertExpectedInline(normalized(outer), """\
-class GraphModule(torch.nn.Module):
+class localmap_fx_layers(torch.nn.Module):
     def forward(self, L_x_: "DTensor(f32[8, 16], R)", L_x_device_mesh : torch.distributed.device_mesh.DeviceMesh, L_self_modules_blocks_modules_0_parameters_w1_: "DTensor(f32[16, 32], S(1))", L_self_modules_blocks_modules_0_parameters_w2_: "DTensor(f32[32, 16], S(0))", L_self_modules_blocks_modules_1_parameters_w1_: "DTensor(f32[16, 32], S(1))", L_self_modules_blocks_modules_1_parameters_w2_: "DTensor(f32[32, 16], S(0))", L_self_modules_blocks_modules_2_parameters_w1_: "DTensor(f32[16, 32], S(1))", L_self_modules_blocks_modules_2_parameters_w2_: "DTensor(f32[32, 16], S(0))"):
         l_x_ = L_x_
         l_x_device_mesh = L_x_device_mesh
@@ -94,7 +94,7 @@ class GraphModule(torch.nn.Module):
         run_0 = self.run_0(getitem_6, l_x_device_mesh, getitem, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5)
         getitem_11: "f32[8, 16]" = run_0[0]
         piece_4 = self.piece_4(getitem_11, l_x_device_mesh)
-        getitem_10: "f32[]" = piece_4[0]
+        getitem_10: "DTensor(f32[], R)" = piece_4[0]
         return (getitem_10,)
 """)
 
