@@ -147,6 +147,36 @@ def test_fake_pg_marked_equals_the_unmarked_stack_shared(inner):
 
 
 @pytest.mark.inductor
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_compiled_training_step_runs_marked_blocks(inner):
+    """``loss.backward()`` inside the compiled function graph-breaks, and the
+    backward runs with Dynamo's frame hook set.  The marked frame's prefix
+    and loss used to keep AOTAutograd's subclass runtime, whose backward
+    Dynamo traced and failed on ("SymNodeVariable() is not a constant", as
+    upstream's regional step does); the prefix is now an Unwrap and the loss
+    runs behind the lean DTensor border, so the step runs, with the
+    gradients of the model compiled on its own."""
+    results = []
+    for whole_step in (False, True):
+        torch._dynamo.reset()
+        model, x = _stack(mesh_1d(), 3)
+        be = localmap_fx.backend(inner)
+        if whole_step:
+            def step(x):
+                loss = model(x)
+                loss.backward()
+                return loss
+
+            loss = torch.compile(step, backend=be)(x)
+        else:
+            loss = torch.compile(model, backend=be)(x)
+            loss.backward()
+        results.append([t.to_local() for t in _tree(loss, model, x)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.inductor
 def test_first_block_unshared_keeps_the_parameters_local_tensors_untouched():
     """An input that needs no grad makes the first marked block a layer of its
     own, merged with the prefix, where the shared blocks' weights are unwrapped.
