@@ -162,7 +162,7 @@ def test_a_compiled_training_step_runs_marked_blocks(inner):
         model, x = _stack(mesh_1d(), 3)
         be = localmap_fx.backend(inner)
         if whole_step:
-            def step(x):
+            def step(x, model=model):
                 loss = model(x)
                 loss.backward()
                 return loss
