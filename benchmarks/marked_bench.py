@@ -167,16 +167,17 @@ def table(res: dict) -> str:
     lines = []
     if "cold" in res:
         lines += ["| cold compile | layers | wall s | CPU s (own + children) | dynamo s | aot s | inductor s | graphs | "
-                  "CPU ÷ upstream_regional |", "|---|---|---|---|---|---|---|---|---|"]
+                  "CPU (own + children) ÷ upstream_regional |", "|---|---|---|---|---|---|---|---|---|"]
         for n in res["depths"]:
-            base = statistics.median(r["cpu_s"] for r in res["cold"][f"upstream_regional/{n}"])
+            # the figure: the process and its C++ compile children together
+            base = statistics.median(r["cpu_s"] + r["children_cpu_s"] for r in res["cold"][f"upstream_regional/{n}"])
             for column in COLD:
                 rs = res["cold"][f"{column}/{n}"]
                 med = {k: statistics.median(r[k] for r in rs) for k in
                        ("total_s", "cpu_s", "children_cpu_s", "dynamo_s", "aot_s", "inductor_s", "graphs")}
                 lines.append(f"| {column} | {n} | {med['total_s']:.2f} | {med['cpu_s']:.2f} + {med['children_cpu_s']:.2f} | {med['dynamo_s']:.2f} "
                              f"| {med['aot_s']:.2f} | {med['inductor_s']:.2f} | {med['graphs']:.0f} "
-                             f"| {med['cpu_s'] / base:.2f} |")
+                             f"| {(med['cpu_s'] + med['children_cpu_s']) / base:.2f} |")
     if "steady" in res:
         lines += ["", "| steady step (2 gloo ranks) | layers | wall ms | ÷ upstream_whole (wall, median of rounds) "
                   "| numerics match |", "|---|---|---|---|---|"]

@@ -167,10 +167,10 @@ def _inner(f: FrameState) -> None:
         return
     from ..layer_sharing.compile import compile_pieces
 
-    # Note: [A piece that only unwraps skips Inductor] in layer_sharing/compile.py
-    unwraps = (inner_compiler(dataclasses.replace(f.opts, inner="aot_eager", lean_border=False), f.observer)
-               if f.opts.inner == "inductor" else None)
-    f.reports = compile_pieces(f.gm, f.compile_one, unwraps)
+    # Note: [A piece without matrix products skips Inductor] in layer_sharing/compile.py
+    small = (inner_compiler(dataclasses.replace(f.opts, inner="aot_eager"), f.observer)
+             if f.opts.inner == "inductor" else None)
+    f.reports = compile_pieces(f.gm, f.compile_one, small)
 
 
 def _layer_runs(f: FrameState) -> None:

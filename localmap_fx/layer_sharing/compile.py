@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import is_input_to_local, node_value
+from ..graph_utils import node_value
 from ..passes import PassResult
 from .plan import digest
 from .runs import chain_layer_runs, find_layer_runs, runs_of
 from .runtime import CompiledLayer, Refusal, Refused, compile_with_metadata, compiled_layer, subclasses_crossing
 from .split import META_PIECE, PieceMeta, pieces_of
+from .unwrap import Unwrap, unwrap_of
 
 if TYPE_CHECKING:
     from ..compiler.inner import AotGraph, CompileOne
@@ -59,11 +60,15 @@ class CompiledPiece:
 
     @property
     def runtime(self) -> str:
+        import inspect
+
         from ..compiler.dtensor_border import DTensorBorder
 
+        if isinstance(self.fn, Unwrap):
+            return self.fn.text()
         if isinstance(self.layer, CompiledLayer):
             return "layer"
-        if isinstance(self.fn, DTensorBorder):
+        if isinstance(inspect.unwrap(self.fn), DTensorBorder):  # behind without_meshes, maybe
             return "DTensor border"
         return f"aot: {self.layer.text}" if isinstance(self.layer, Refusal) else "aot"
 
@@ -121,32 +126,35 @@ def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileO
     return CompiledPiece(name, fn, compiled.aot_graphs, layer)
 
 
-# Note: [A piece that only unwraps skips Inductor]
-#     The prefix piece of a split frame is often only ``to_local`` of the
-#     frame's DTensor inputs (the weights).  Inductor compiles its forward to
-#     an empty graph that returns the weights' own local tensor objects, and
-#     AOTAutograd's autograd.Function then gives those objects a grad_fn: the
-#     parameter's ``_local_tensor`` turns requires_grad=True, Dynamo's guard
-#     on it fails and the frame recompiles on the next step (and an empty
-#     graph has no FX cache key, so it is never cached).  Compiled by
-#     AOTAutograd without Inductor (``unwraps``: the aot_eager inner
-#     compiler), its graph returns aliases, new tensor objects (16-layer TP
-#     stack on CPU: step 2.92 ms against 2.81-2.88 ms with the Inductor
-#     prefix; eager ``to_local`` per weight was slower).
-def only_unwraps(sub: fx.GraphModule) -> bool:
-    """Does ``sub`` do nothing but ``to_local`` of its inputs?"""
-    body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
-    return bool(body) and all(is_input_to_local(n) for n in body)
+# Note: [A piece without matrix products skips Inductor]
+#     A piece used once (no layer key: the code before the first layer, an
+#     unshared layer, the loss after the last) whose nodes hold no matrix
+#     product is a handful of pointwise ops and reductions run once per
+#     step, e.g. a TP stack's ``(h * h).sum()``.  Inductor would generate a
+#     C++ (or Triton) file for its forward and one for its backward, each
+#     compiled at cold start (about 0.5 CPU-s per file on the CPU stack), to
+#     save a few microseconds per step; AOTAutograd alone (``small``: the
+#     aot_eager inner compiler) traces it and runs its ATen ops.  A piece
+#     with a matrix product (an unshared layer, an output projection) keeps
+#     the inner compiler.
+def skips_inductor(sub: fx.GraphModule) -> bool:
+    """Is ``sub`` a piece without matrix products (Note: [A piece without matrix products skips Inductor])?"""
+    from .decide import has_matmul
+
+    return not has_matmul(sub.graph.nodes)
 
 
-def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, unwraps: CompileOne | None = None,
+def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, small: CompileOne | None = None,
                    ) -> list[PieceReport]:
     """Give every piece of ``outer`` its compiled callable (one compile per key).
 
-    ``unwraps`` compiles a piece that only unwraps (Note: [A piece that only
-    unwraps skips Inductor]); ``compile_one`` the others.  The graph is not
-    edited: its code looks each piece up as ``self.piece_<i>`` when it runs,
-    so it calls the compiled ones.
+    A piece that only unwraps its DTensor inputs is no compile: it runs as an
+    :class:`~.unwrap.Unwrap` (Note: [A piece that only unwraps runs as an
+    Unwrap]); ``small`` compiles a piece used once that holds no matrix
+    product (Note: [A piece without matrix products skips Inductor]),
+    ``compile_one`` the others.  The graph is not edited: its code looks
+    each piece up as ``self.piece_<i>`` when it runs, so it calls the
+    compiled ones.
     """
     by_key: dict[tuple, CompiledPiece] = {}
     reports: list[PieceReport] = []
@@ -156,9 +164,13 @@ def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, unwraps: Comp
         sub: Any = outer.get_submodule(target)
         compiled = by_key.get(meta.key) if meta.key is not None else None
         if compiled is None:
-            example = [node_value(a) for a in call.args]
-            one = unwraps if unwraps is not None and meta.key is None and only_unwraps(sub) else compile_one
-            compiled = compile_piece(sub, example, one, target, meta.key is not None)
+            unwrap = unwrap_of(sub) if meta.key is None else None
+            if unwrap is not None:
+                compiled = CompiledPiece(target, unwrap)
+            else:
+                example = [node_value(a) for a in call.args]
+                one = small if small is not None and meta.key is None and skips_inductor(sub) else compile_one
+                compiled = compile_piece(sub, example, one, target, meta.key is not None)
             if meta.key is not None:
                 by_key[meta.key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -72,6 +72,7 @@ __all__ = [
     "LayerCost",
     "Reason",
     "decide",
+    "has_matmul",
     "layer_cost",
     "no_shared_layer",
     "span_flops",
@@ -227,6 +228,11 @@ _MATMUL_OPS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "_
 
 def _op_name(n: fx.Node) -> str:
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
+def has_matmul(nodes: Iterable[fx.Node]) -> bool:
+    """Does any of ``nodes`` compute a matrix product (the ops :func:`span_flops` counts)?"""
+    return any(n.op in ("call_function", "call_method") and _op_name(n) in _MATMUL_OPS for n in nodes)
 
 
 def span_flops(nodes: Sequence[fx.Node]) -> int:

@@ -98,9 +98,10 @@ def _piece_reason(spans: Sequence[LayerSpan], a: int, b: int, n_nodes: int) -> s
 #     an unshared first layer (Note: [Unshared neighbours are one piece]).
 #     Compiled by Inductor, that piece returns the weights' own local tensor
 #     objects, which AOTAutograd's autograd.Function then gives a grad_fn:
-#     the same parameter mutation and per-step recompile as Note: [A piece
-#     that only unwraps skips Inductor].  So those unwraps go first, in a
-#     piece of their own, which that note compiles without Inductor.
+#     the parameter's local tensor turns requires_grad=True and Dynamo's
+#     guard on it recompiles the frame on the next step.  So those unwraps
+#     go first, in a piece of their own, which runs as an Unwrap (Note: [A
+#     piece that only unwraps runs as an Unwrap]).
 def _lift_unwraps(piece_nodes: Sequence[fx.Node]) -> list[list[fx.Node]]:
     """``piece_nodes`` as the pieces to emit: the unwraps of inputs read
     after the piece, alone and first, then the rest."""
@@ -122,8 +123,9 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
     ``graph_module``, with nothing to recompile) keeps ``gm``'s placeholders
     and output and calls ``piece_<i>`` submodules; each call node carries
     ``meta[META_PIECE]``, a :class:`PieceMeta`.
-    Spans with equal keys get structurally identical submodules (same input
-    order, same outputs), so one compiled callable serves them all.
+    Spans with equal keys are structurally identical (same input order, same
+    outputs): their calls share one submodule, copied from the first, and
+    one compiled callable serves them all.
     """
     nodes = list(plan.nodes)
     cuts = merge_unshared(_cuts(plan, len(nodes)))
@@ -150,6 +152,7 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
         if len(split) == 2:
             parts.append((split[0], PieceMeta("", None, None, unshared)))
         parts.append((split[-1], meta))
+    by_key: dict[tuple, fx.GraphModule] = {}
     for piece_nodes, meta in parts:
         inputs, outputs = span_io(piece_nodes)
         if not outputs:
@@ -159,7 +162,12 @@ def split_layers(gm: fx.GraphModule, plan: LayerPlan) -> PassResult:
             continue
         name = f"piece_{n_piece}"
         n_piece += 1
-        sub = _copy_span(gm, piece_nodes, inputs, outputs, name)
+        # equal keys give identical submodules: one copy serves them all
+        sub = by_key.get(meta.key) if meta.key is not None else None
+        if sub is None:
+            sub = _copy_span(gm, piece_nodes, inputs, outputs, name)
+            if meta.key is not None:
+                by_key[meta.key] = sub
         root.add_module(name, sub)
         call = outer.call_module(name, tuple(env[i] for i in inputs))
         call.meta[META_PIECE] = dataclasses.replace(meta, name=name)

@@ -32,6 +32,19 @@ Note: [A stamped call's placements]
     calls before it are inline) must have the placements, global shape and
     dtype its body was traced with, else :class:`MarkedBlockError`.
 
+Note: [A stamped call's outputs are plain to Dynamo]
+    Dynamo records a stamped call's outputs as plain FakeTensors, and so
+    every value the code after it computes from them (the glue between
+    blocks, the loss after the last): ``(x * x).sum()`` of a DTensor ``x``
+    is recorded as a plain tensor though it runs as a DTensor.  Once the
+    calls are inline their nodes hold the body's values, which are right
+    (checked above); the nodes after them are computed again on those
+    values (fake, under the graph's fake mode), so that the pieces cut
+    later know their DTensor outputs, e.g. the loss piece runs behind the
+    lean DTensor border (``compiler/dtensor_border.py``) instead of
+    AOTAutograd's subclass runtime.  A node that cannot be run again keeps
+    Dynamo's value.
+
 No ``invoke_subgraph`` of a marked block reaches AOTAutograd or Inductor, so
 neither the DTensor failure above nor Inductor's buffer reuse across a
 subgraph's views (Note in :mod:`.hoist_subgraph_views`) can occur.  Calls
@@ -130,7 +143,65 @@ def inline_marked_blocks(gm: fx.GraphModule) -> PassResult:
                     n.meta[META_MARKED] = mark
             changed = True
         calls = find_marked_calls(gm)
+    if changed:
+        _refresh_values_after_marked_calls(gm)
     return PassResult(gm, (gm,) if changed else ())
+
+
+def _is_dtensor_tree(v: object) -> object:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, (tuple, list)):
+        return tuple(_is_dtensor_tree(x) for x in v)
+    return isinstance(v, DTensor)
+
+
+def _fake_mode_of(values: Sequence[object]) -> object | None:
+    """The fake mode of the first fake tensor among ``values`` (a DTensor's local tensor counts)."""
+    from .._torch_compat import FakeTensor
+
+    for v in values:
+        t = getattr(v, "_local_tensor", v)
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+def _refresh_values_after_marked_calls(gm: fx.GraphModule) -> None:
+    """Note: [A stamped call's outputs are plain to Dynamo]."""
+    refreshed: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if META_MARKED in n.meta or n.op not in ("call_function", "call_method") or "example_value" not in n.meta:
+            continue
+        inputs = n.all_input_nodes
+        if not any(META_MARKED in a.meta or a in refreshed for a in inputs):
+            continue
+        # the values a body's nodes hold may belong to another fake mode than
+        # the tracing context's: run in theirs
+        fake_mode = _fake_mode_of([node_value(a) for a in inputs])
+        if fake_mode is None:
+            continue
+        args, kwargs = fx.map_arg((n.args, n.kwargs), node_value)
+        try:
+            # leaves, as Dynamo's values are (a graph's meta must deep-copy)
+            with fake_mode, torch.no_grad():  # type: ignore[attr-defined]
+                value = (n.target(*args, **kwargs) if n.op == "call_function"
+                         else getattr(args[0], str(n.target))(*args[1:], **kwargs))
+        except Exception:  # noqa: BLE001 - Dynamo's value stays (see the Note)
+            continue
+        old = n.meta["example_value"]
+        if _is_dtensor_tree(value) != _is_dtensor_tree(old):
+            n.meta["example_value"] = _requiring_grad_as(value, old)
+            refreshed.add(n)
+
+
+def _requiring_grad_as(value: object, old: object) -> object:
+    """``value`` whose tensors require grad where ``old``'s (Dynamo's value) do."""
+    if isinstance(value, (tuple, list)) and isinstance(old, (tuple, list)) and len(value) == len(old):
+        return type(value)(_requiring_grad_as(v, o) for v, o in zip(value, old))
+    if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and old.requires_grad:
+        value.requires_grad_(True)
+    return value
 
 
 def marked_calls_of(nodes: Sequence[fx.Node]) -> dict[MarkedCall, list[int]]:

@@ -394,8 +394,9 @@ def test_lowered_graph_is_what_the_inner_compiler_received(tmp_path, monkeypatch
     lowered = _dumped(tmp_path / "split", "lowered_graph.txt")
     assert lowered == _dumped(tmp_path / "split", "pass_plain_borders.txt")
     assert lowered != _dumped(tmp_path / "split", "pass_fuse_boundaries.txt")
-    # the pieces the inner compiler received: one per layer key, plus prefix and tail
-    assert len(received) == 3 and all("class piece_" in r for r in received), [r.splitlines()[0] for r in received]
+    # the pieces the inner compiler received: one per layer key, plus the tail
+    # (the prefix only unwraps: Note: [A piece that only unwraps runs as an Unwrap])
+    assert len(received) == 2 and all("class piece_" in r for r in received), [r.splitlines()[0] for r in received]
 
 
 def test_env_var_is_the_default(tmp_path, monkeypatch):

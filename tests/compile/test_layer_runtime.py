@@ -384,8 +384,10 @@ def test_shared_tp_layers_run_as_one_run(tmp_path, inner, style):
     rows = [(r["layers"], r["calls"], r["runtime"]) for r in pieces["rows"]]
     # prefix (to_local of the weights), every layer (one compiled piece, the last
     # one too: Note: [The last layer's border]), the loss (a DTensor: behind the
-    # lean DTensor border)
-    assert rows == [([], 1, "aot"), ([0, 1, 2, 3, 4], 5, "layer in run_0"), ([], 1, "DTensor border")], rows
+    # lean DTensor border); the prefix only unwraps (Note: [A piece that only
+    # unwraps runs as an Unwrap])
+    assert rows == [([], 1, "unwrap of 11 DTensors"), ([0, 1, 2, 3, 4], 5, "layer in run_0"),
+                    ([], 1, "DTensor border")], rows
 
 
 def test_layers_without_a_backward_keep_aotautograds_runtime(tmp_path):

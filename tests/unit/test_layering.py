@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.layer_sharing.borders",
         "localmap_fx.layer_sharing.split",
         "localmap_fx.layer_sharing.runtime",
+        "localmap_fx.layer_sharing.unwrap",
         "localmap_fx.compiler.cache_keys",
         "localmap_fx.lowering",
         "localmap_fx.debug.layout",
