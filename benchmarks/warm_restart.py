@@ -1,6 +1,6 @@
 """Warm restart: the first forward + backward in a new process whose caches a first process filled.
 
-    python -m benchmarks.warm_restart --layers 16 64 --modes whole regional shared
+    python -m benchmarks.warm_restart --layers 16 64 --modes whole regional marked
 
 For each (mode, layers): a fresh process compiles the ``nn.Module`` TP stack
 (``localmap_fx.testing.models.TPStack``: DTensor parameters, residual; B 16,
@@ -11,7 +11,9 @@ forward + backward and torch's cache counters.  Target: warm / cold <= 0.25
 (issue 27).  Ours use the default options (``--stable-cache-keys``:
 ``localmap_fx.backend(stable_cache_keys=True)``).
 Modes: ``whole`` (``torch.compile(model, backend=...)``),
-``regional`` (``block.compile(backend="localmap_fx")`` per block), ``shared``
+``regional`` (``block.compile(backend="localmap_fx")`` per block), ``marked``
+(``TPStack(marked=True)``: the block's ``forward`` under
+``torch.compiler.nested_compile_region``, the whole model compiled), ``shared``
 (``share_layers=True``), ``upstream_whole`` / ``upstream_regional`` (torch's
 ``local_map``, ``backend="inductor"``).
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 __all__ = ["first_step", "warm_restart", "main"]
 
-MODES = ("whole", "regional", "shared", "upstream_whole", "upstream_regional")
+MODES = ("whole", "regional", "marked", "shared", "upstream_whole", "upstream_regional")
 TARGET = 0.25
 
 
@@ -48,7 +50,7 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     upstream = mode.startswith("upstream")
-    model = TPStack(mesh, n_layers, d=32, hidden=64, impl="torch" if upstream else "ours")
+    model = TPStack(mesh, n_layers, d=32, hidden=64, impl="torch" if upstream else "ours", marked=mode == "marked")
     x = tp_stack_input(mesh, batch=16, d=32)
     import localmap_fx
 
@@ -87,7 +89,7 @@ def warm_restart(mode: str, n_layers: int, stable: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[16])
-    p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "shared"])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "marked"])
     p.add_argument("--stable-cache-keys", action="store_true", help="ours with stable_cache_keys=True")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)

@@ -58,6 +58,7 @@ __all__ = [
     "log_counts",
     "lift_mesh_inputs",
     "lift_meshes",
+    "lift_piece_meshes",
     "mesh_constant",
     "mesh_key",
     "without_meshes",
@@ -206,8 +207,76 @@ def lift_meshes(gm: fx.GraphModule,
     return lifted, [v for i, v in enumerate(example_inputs) if i not in dropped], found
 
 
+def _piece_meshes(call: fx.Node, sub: fx.GraphModule) -> tuple[MeshInput, ...]:
+    """The mesh inputs of one piece call that can be lifted; () when any cannot, or when a
+    DTensor enters the piece (AOTAutograd's subclass runtime would then take each
+    DTensor's mesh as an input of its own)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from ..graph_utils import node_value
+
+    placeholders = list(sub.graph.find_nodes(op="placeholder"))
+    values = [node_value(a) for a in call.args]
+    if call.kwargs or len(placeholders) != len(values) or any(isinstance(v, DTensor) for v in values):
+        return ()
+    found = []
+    for i, (node, value) in enumerate(zip(placeholders, values)):
+        if not isinstance(value, DeviceMesh):
+            continue
+        key = mesh_key(value)
+        if key is None or any(u.op == "output" for u in node.users):
+            return ()
+        found.append(MeshInput(i, node.name, key))
+    return tuple(found)
+
+
+def lift_piece_meshes(outer: fx.GraphModule) -> PassResult:
+    """In every shared layer piece of a split frame, each mesh input becomes a
+    ``mesh_constant(key)`` call, and the outer graph stops passing it.
+
+    Only pieces with a layer key whose calls all lift the same meshes at the
+    same positions (the piece is compiled once for all of them) and into
+    which no DTensor enters (their border is plain; a DTensor's mesh would
+    re-enter AOTAutograd's graph as an input)::
+
+        before                                          after
+        ------                                          -----
+        piece_1 = self.piece_1(x, mesh, w1, w2)         piece_1 = self.piece_1(x, w1, w2)
+
+        piece_1:                                        piece_1:
+        def forward(self, in0, in1_mesh, in2, in3):     def forward(self, in0, in2, in3):
+                                                            in1_mesh = mesh_constant("cpu|(2,)|...")
+            dt = from_local(in0, in1_mesh, ...)             dt = from_local(in0, in1_mesh, ...)
+    """
+    from ..layer_sharing.split import META_PIECE, pieces_of
+
+    by_key: dict[tuple, list[tuple[fx.Node, tuple[MeshInput, ...]]]] = {}
+    for call in pieces_of(outer):
+        key = call.meta[META_PIECE].key
+        if key is not None:
+            by_key.setdefault(key, []).append((call, _piece_meshes(call, outer.get_submodule(str(call.target)))))
+    changed = []
+    for calls in by_key.values():
+        first = calls[0][1]
+        if not first or any([(m.position, m.key) for m in f] != [(m.position, m.key) for m in first]
+                            for _, f in calls):
+            continue
+        for call, found in calls:
+            sub = outer.get_submodule(str(call.target))
+            values = [n.meta.get("example_value", n.meta.get("val")) for n in call.args]  # type: ignore[union-attr]
+            lift_mesh_inputs(sub, found, values)
+            dropped = {m.position for m in found}
+            call.args = tuple(a for i, a in enumerate(call.args) if i not in dropped)
+            changed.append(sub)
+    if not changed:
+        return PassResult(outer)
+    return PassResult.of(outer, [outer, *changed])
+
+
 def without_meshes(compiled: Any, found: Sequence[MeshInput], n_inputs: int) -> Callable:
-    """``compiled`` called with Dynamo's arguments less the lifted meshes.
+    """``compiled`` called with Dynamo's arguments less the lifted meshes
+    (``inspect.unwrap`` gives ``compiled`` back).
 
     Dynamo calls what a backend returns with unpacked arguments.
     """
@@ -217,6 +286,7 @@ def without_meshes(compiled: Any, found: Sequence[MeshInput], n_inputs: int) -> 
     def run(*args: Any) -> Any:
         return compiled(*[args[i] for i in kept])
 
+    run.__wrapped__ = compiled  # type: ignore[attr-defined]
     return run
 
 
