@@ -58,8 +58,8 @@ __all__ = [
     "log_counts",
     "lift_mesh_inputs",
     "lift_meshes",
-    "lift_piece_meshes",
     "mesh_constant",
+    "mesh_inputs",
     "mesh_key",
     "without_meshes",
 ]
@@ -117,21 +117,28 @@ class MeshInput:
 
 
 def find_mesh_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[MeshInput, ...]:
-    """The mesh inputs of Dynamo's graph ``gm`` that can be lifted; () when any cannot.
+    """The mesh inputs of Dynamo's graph ``gm`` that can be lifted; () when any cannot."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    # only Dynamo's own graph: AOTAutograd fails on a lifted piece of a split
+    # frame (layer_sharing/compile.py), e.g. the tail of a 4-layer TP stack under
+    # share_layers=True, from_local of a plain input: "Node tangents_2 was
+    # invalid, but is output" in the partitioner; not yet understood
+    # (layer_sharing/piece_meshes.py lifts shared layer pieces, which keep
+    # their AOT graphs)
+    if "dynamo_compile_id" not in gm.meta or len(placeholders) != len(example_inputs):
+        return ()
+    return mesh_inputs(placeholders, example_inputs)
+
+
+def mesh_inputs(placeholders: Sequence[fx.Node], values: Sequence[Any]) -> tuple[MeshInput, ...]:
+    """The placeholders whose values are meshes that can be lifted; () when any cannot.
 
     All or none: a mesh left as an input keeps the key unstable anyway.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    # only Dynamo's own graph: AOTAutograd fails on a lifted piece of a split
-    # frame (compiler/pieces.py), e.g. the tail of a 4-layer TP stack under
-    # share_layers=True, from_local of a plain input: "Node tangents_2 was
-    # invalid, but is output" in the partitioner; not yet understood
-    if "dynamo_compile_id" not in gm.meta or len(placeholders) != len(example_inputs):
-        return ()
     found = []
-    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+    for i, (node, value) in enumerate(zip(placeholders, values)):
         if not isinstance(value, DeviceMesh):
             continue
         key = mesh_key(value)
@@ -205,73 +212,6 @@ def lift_meshes(gm: fx.GraphModule,
     lifted = apply(lambda g: lift_mesh_inputs(g, found, example_inputs), dynamo_graph_copy(gm))
     dropped = {m.position for m in found}
     return lifted, [v for i, v in enumerate(example_inputs) if i not in dropped], found
-
-
-def _piece_meshes(call: fx.Node, sub: fx.GraphModule) -> tuple[MeshInput, ...]:
-    """The mesh inputs of one piece call that can be lifted; () when any cannot, or when a
-    DTensor enters the piece (AOTAutograd's subclass runtime would then take each
-    DTensor's mesh as an input of its own)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
-    from ..graph_utils import node_value
-
-    placeholders = list(sub.graph.find_nodes(op="placeholder"))
-    values = [node_value(a) for a in call.args]
-    if call.kwargs or len(placeholders) != len(values) or any(isinstance(v, DTensor) for v in values):
-        return ()
-    found = []
-    for i, (node, value) in enumerate(zip(placeholders, values)):
-        if not isinstance(value, DeviceMesh):
-            continue
-        key = mesh_key(value)
-        if key is None or any(u.op == "output" for u in node.users):
-            return ()
-        found.append(MeshInput(i, node.name, key))
-    return tuple(found)
-
-
-def lift_piece_meshes(outer: fx.GraphModule) -> PassResult:
-    """In every shared layer piece of a split frame, each mesh input becomes a
-    ``mesh_constant(key)`` call, and the outer graph stops passing it.
-
-    Only pieces with a layer key whose calls all lift the same meshes at the
-    same positions (the piece is compiled once for all of them) and into
-    which no DTensor enters (their border is plain; a DTensor's mesh would
-    re-enter AOTAutograd's graph as an input)::
-
-        before                                          after
-        ------                                          -----
-        piece_1 = self.piece_1(x, mesh, w1, w2)         piece_1 = self.piece_1(x, w1, w2)
-
-        piece_1:                                        piece_1:
-        def forward(self, in0, in1_mesh, in2, in3):     def forward(self, in0, in2, in3):
-                                                            in1_mesh = mesh_constant("cpu|(2,)|...")
-            dt = from_local(in0, in1_mesh, ...)             dt = from_local(in0, in1_mesh, ...)
-    """
-    from ..layer_sharing.split import META_PIECE, pieces_of
-
-    by_key: dict[tuple, list[tuple[fx.Node, tuple[MeshInput, ...]]]] = {}
-    for call in pieces_of(outer):
-        key = call.meta[META_PIECE].key
-        if key is not None:
-            by_key.setdefault(key, []).append((call, _piece_meshes(call, outer.get_submodule(str(call.target)))))
-    changed = []
-    for calls in by_key.values():
-        first = calls[0][1]
-        if not first or any([(m.position, m.key) for m in f] != [(m.position, m.key) for m in first]
-                            for _, f in calls):
-            continue
-        for call, found in calls:
-            sub = outer.get_submodule(str(call.target))
-            values = [n.meta.get("example_value", n.meta.get("val")) for n in call.args]  # type: ignore[union-attr]
-            lift_mesh_inputs(sub, found, values)
-            dropped = {m.position for m in found}
-            call.args = tuple(a for i, a in enumerate(call.args) if i not in dropped)
-            changed.append(sub)
-    if not changed:
-        return PassResult(outer)
-    return PassResult.of(outer, [outer, *changed])
 
 
 def without_meshes(compiled: Any, found: Sequence[MeshInput], n_inputs: int) -> Callable:

@@ -23,7 +23,7 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
     split_layers         one piece per layer, pieces with one key compiled once
     lift_piece_meshes    a shared layer piece's mesh inputs become constants in it,
                          so its cache keys are the same in a new process
-                         (compiler/cache_keys.py)
+                         (layer_sharing/piece_meshes.py)
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
                          hoist_subgraph_views; a graph with DTensor inputs or
@@ -57,7 +57,6 @@ from ..passes.fuse_boundaries import fuse_boundaries
 from ..passes.inline_marked_blocks import find_marked_calls, inline_marked_blocks
 from ..passes.inline_shared_bodies import inline_shared_bodies
 from ..passes.outline_regions import outline_regions
-from .cache_keys import lift_piece_meshes
 from .inner import CompileOne, inner_compiler
 from .observe import Observer, Observers, UserHooks
 from .options import BackendOptions
@@ -162,6 +161,12 @@ def _split_layers(f: FrameState) -> None:
     f.run("split_layers", split_layers, f.plan)
 
 
+def _lift_piece_meshes(f: FrameState) -> None:
+    from ..layer_sharing.piece_meshes import lift_piece_meshes
+
+    f.run("lift_piece_meshes", lift_piece_meshes)
+
+
 def _inner(f: FrameState) -> None:
     if not f.split:
         f.observer.lowered(f.gm)
@@ -212,7 +217,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("split_layers", "one piece per layer; one compile per layer key", "the frame is split",
           lambda f: f.split, _split_layers),
     Stage("lift_piece_meshes", "mesh inputs of shared layer pieces become constants", "the frame is split",
-          lambda f: f.split, _pass("lift_piece_meshes", lambda o: lift_piece_meshes)),
+          lambda f: f.split, _lift_piece_meshes),
     Stage("inner", "the inner compiler, per piece or whole", "always", lambda f: True, _inner),
     Stage("layer_runs", "consecutive compiled layers run as one LayerRun", "the frame is split",
           lambda f: f.split, _layer_runs),
