@@ -154,7 +154,8 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
         if not aot_graphs and opts.lean_border and not opts.stable_cache_keys and opts.inner != "eager":
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
-            # give back, so stable_cache_keys (warm restarts) goes without it.
+            # give back: stable_cache_keys=True asks for that cache too, so it
+            # goes without the border (whose graphs hit Inductor's cache anyway).
             from . import cache_keys
             from .dtensor_border import DTensorBorder, dtensor_border
 
@@ -162,6 +163,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
             lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs)
             border = dtensor_border(lifted_gm, inputs, compile_one)
             if isinstance(border, DTensorBorder):
+                cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
         fn = compile_fn(gm, example_inputs, opts, watch, keep)
