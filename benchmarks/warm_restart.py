@@ -7,7 +7,8 @@ For each (mode, layers): a fresh process compiles the ``nn.Module`` TP stack
 D 32, H 64; fake process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR``
 (cold), then a second fresh process with the same folder (warm), back to back
 so both see the same machine load.  Each reports the seconds of its first
-forward + backward and torch's cache counters.  Target: warm / cold <= 0.25
+forward + backward (wall, and CPU of the process and its compiler children:
+the steadier figure on a shared machine) and torch's cache counters.  Target: warm / cold <= 0.25
 (issue 27).  Ours use the default options (``--stable-cache-keys``:
 ``localmap_fx.backend(stable_cache_keys=True)``).
 Modes: ``whole`` (``torch.compile(model, backend=...)``),
@@ -33,6 +34,15 @@ __all__ = ["first_step", "warm_restart", "main"]
 
 MODES = ("whole", "regional", "marked", "shared", "upstream_whole", "upstream_regional")
 TARGET = 0.25
+
+
+def _cpu() -> float:
+    # this process and the compilers it ran (C++ compiles are child processes);
+    # on a shared machine CPU seconds are the steadier figure
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -> dict:
@@ -63,11 +73,12 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False) -
         fn = model
     else:
         fn = torch.compile(model, backend=backend)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     fn(x).backward()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _cpu() - c0
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
         "fx": {k: v for k, v in counters["inductor"].items() if "cache" in k},
     }
@@ -83,7 +94,7 @@ def warm_restart(mode: str, n_layers: int, stable: bool = False) -> dict:
                 runs.append(ex.submit(first_step, mode, n_layers, cache, stable).result())
     cold, warm = runs
     return {"mode": mode, "layers": n_layers, "cold": cold, "warm": warm,
-            "ratio": warm["seconds"] / cold["seconds"]}
+            "ratio": warm["seconds"] / cold["seconds"], "cpu_ratio": warm["cpu_seconds"] / cold["cpu_seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             r = warm_restart(mode, n, args.stable_cache_keys)
             results.append(r)
             print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
-                  f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); warm caches: aot {r['warm']['aot']}, "
+                  f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); CPU s: cold {r['cold']['cpu_seconds']:6.2f}, "
+                  f"warm {r['warm']['cpu_seconds']:6.2f}, warm/cold {r['cpu_ratio']:.2f}; warm caches: aot {r['warm']['aot']}, "
                   f"fx {r['warm']['fx']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
