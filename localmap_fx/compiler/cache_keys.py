@@ -46,9 +46,11 @@ Note: [Stable keys behind the border]
     * a graph compiled whole behind the lean DTensor border (whole model,
       regional block): ``compile_one`` (compiler/inner.py) lifts Dynamo's
       graph with :func:`lift_meshes` before ``dtensor_border`` wraps it, and
-      Dynamo's mesh arguments are dropped by :func:`without_meshes`.  The
-      border's specs already carry the user's mesh, so AOTAutograd gets no
-      mesh input at all (the compiled graphs are the same less that input:
+      Dynamo's mesh arguments are dropped by :func:`without_meshes`, when
+      every mesh input is also a DTensor input's mesh (``carried_only``:
+      the border takes the user's mesh objects for its specs from the
+      inputs, and would refuse the graph otherwise).  The border's specs
+      carry the user's mesh, so AOTAutograd gets no mesh input at all (the compiled graphs are the same less that input:
       no step cost; one TP block's callable, B 16 D 32 H 64, fake process
       group: 176.6 against 175.8 µs per call, paired medians, within noise);
     * a shared layer piece of a split frame (``share_layers``, marked
@@ -231,14 +233,23 @@ def lift_mesh_inputs(gm: fx.GraphModule, found: Sequence[MeshInput],
     return PassResult.of(gm, [gm])
 
 
-def lift_meshes(gm: fx.GraphModule,
-                example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[Any], tuple[MeshInput, ...]]:
+def lift_meshes(gm: fx.GraphModule, example_inputs: Sequence[Any], carried_only: bool = False,
+                ) -> tuple[fx.GraphModule, list[Any], tuple[MeshInput, ...]]:
     """(module, example inputs, lifted) to hand AOTAutograd: Dynamo's ``gm`` and
     ``example_inputs`` as they are when no mesh can be lifted, else a copy with
-    every mesh input lifted (call the result through :func:`without_meshes`)."""
+    every mesh input lifted (call the result through :func:`without_meshes`).
+
+    ``carried_only``: lift only when every mesh input is also the mesh of a
+    DTensor input (the lean border finds the user's meshes there).
+    """
+    from torch.distributed.tensor import DTensor
+
     from ..passes import apply
 
     found = find_mesh_inputs(gm, example_inputs)
+    carried = [v.device_mesh for v in example_inputs if isinstance(v, DTensor)]
+    if carried_only and not all(any(example_inputs[m.position] == c for c in carried) for m in found):
+        found = ()
     if not found:
         return gm, list(example_inputs), ()
     lifted = apply(lambda g: lift_mesh_inputs(g, found, example_inputs), dynamo_graph_copy(gm))

@@ -160,7 +160,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
             from .dtensor_border import DTensorBorder, dtensor_border
 
             # Note: [Stable keys behind the border] (cache_keys.py)
-            lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs)
+            lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs, carried_only=True)
             border = dtensor_border(lifted_gm, inputs, compile_one)
             if isinstance(border, DTensorBorder):
                 cache_keys.log_lifted("DTensor border", lifted)

@@ -186,6 +186,13 @@ def test_mesh_inputs_leave_a_copy_of_dynamos_graph():
     ndim, out = cache_keys.without_meshes(lifted.forward, found, 2)(t, mesh)
     assert ndim == 1 and out is t
 
+    # behind the lean border only a mesh that a DTensor input also carries
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    assert cache_keys.lift_meshes(gm, [t, mesh], carried_only=True)[2] == ()
+    d = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    assert cache_keys.lift_meshes(gm, [d, mesh], carried_only=True)[2] == found
+
     # a graph that returns its mesh keeps it as an input
     g2 = fx.Graph()
     g2.output((g2.placeholder("x"), g2.placeholder("mesh")))
