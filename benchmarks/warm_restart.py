@@ -1,6 +1,6 @@
 """Warm restart: the first forward + backward in a new process whose caches a first process filled.
 
-    python -m benchmarks.warm_restart --layers 16 64 --modes whole regional shared
+    python -m benchmarks.warm_restart --layers 16 64 --modes whole regional marked
 
 For each (mode, layers): a fresh process compiles a stack of
 :mod:`benchmarks.depth_bench` (``--style module``: the ``nn.Module`` TP stack;
@@ -8,7 +8,8 @@ For each (mode, layers): a fresh process compiles a stack of
 process group of 2) with an empty ``TORCHINDUCTOR_CACHE_DIR`` (cold), then a
 second fresh process with the same folder (warm), back to back so both see
 the same machine load.  Each reports the seconds of its first forward +
-backward and torch's cache counters.  Target: warm / cold <= 0.25 (issue 27).
+backward (wall, and CPU of the process and its compiler children: the steadier
+figure on a shared machine) and torch's cache counters.  Target: warm / cold <= 0.25 (issue 27).
 Ours use the default options (``--stable-cache-keys``:
 ``localmap_fx.backend(stable_cache_keys=True)``).  Modes (:data:`COLUMN`):
 ``whole`` (``torch.compile(model, backend=...)``), ``regional``
@@ -38,6 +39,14 @@ COLUMN = {"whole": "ours_whole", "regional": "ours_regional", "shared": "ours_sh
 TARGET = 0.25
 
 
+def _cpu() -> float:
+    # this process and the compilers it ran (C++ compiles are child processes)
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False, style: str = "module") -> dict:
     """In a fresh process: seconds of the first forward + backward, and the cache counters."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -58,11 +67,12 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False, s
 
         backend = localmap_fx.backend(stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
     step, _, _ = build(mesh, style, COLUMN[mode], n_layers, backend=backend, **COLD_SHAPES[style])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     step()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _cpu() - c0
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
         "fx": {k: v for k, v in counters["inductor"].items() if "cache" in k},
     }
@@ -78,13 +88,13 @@ def warm_restart(mode: str, n_layers: int, stable: bool = False, style: str = "m
                 runs.append(ex.submit(first_step, mode, n_layers, cache, stable, style).result())
     cold, warm = runs
     return {"mode": mode, "style": style, "layers": n_layers, "cold": cold, "warm": warm,
-            "ratio": warm["seconds"] / cold["seconds"]}
+            "ratio": warm["seconds"] / cold["seconds"], "cpu_ratio": warm["cpu_seconds"] / cold["cpu_seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[16])
-    p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "shared"])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=["whole", "regional", "marked"])
     p.add_argument("--style", default="module", choices=("module", "attention"))
     p.add_argument("--stable-cache-keys", action="store_true", help="ours with stable_cache_keys=True")
     p.add_argument("--json", help="also write the results here")
@@ -95,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             r = warm_restart(mode, n, args.stable_cache_keys, args.style)
             results.append(r)
             print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
-                  f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); warm caches: aot {r['warm']['aot']}, "
+                  f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); CPU s: cold {r['cold']['cpu_seconds']:6.2f}, "
+                  f"warm {r['warm']['cpu_seconds']:6.2f}, warm/cold {r['cpu_ratio']:.2f}; warm caches: aot {r['warm']['aot']}, "
                   f"fx {r['warm']['fx']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

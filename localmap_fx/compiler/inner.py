@@ -154,12 +154,17 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
         if not aot_graphs and opts.uses_lean_border:
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
-            # give back, so stable_cache_keys (warm restarts) goes without it.
+            # give back: stable_cache_keys=True asks for that cache too, so it
+            # goes without the border (whose graphs hit Inductor's cache anyway).
+            from . import cache_keys
             from .dtensor_border import DTensorBorder, dtensor_border
 
-            border = dtensor_border(gm, example_inputs, compile_one)
+            # Note: [Stable keys behind the border] (cache_keys.py)
+            lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs, carried_only=True)
+            border = dtensor_border(lifted_gm, inputs, compile_one)
             if isinstance(border, DTensorBorder):
-                return Compiled(border, ())
+                cache_keys.log_lifted("DTensor border", lifted)
+                return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
         fn = compile_fn(gm, example_inputs, opts, watch, keep)
         return Compiled(fn, tuple(keep) if keep is not None else ())

@@ -62,6 +62,9 @@ class BackendOptions:
             input of its own, which costs run time every call.
             It also turns ``lean_border`` off: the border compiles with
             its AOT graphs kept, which an AOTAutogradCache hit cannot return.
+            Without it, the graphs behind the lean border and shared layer
+            pieces still get stable Inductor FX graph cache keys, at no run
+            time cost (Note: [Stable keys behind the border]).
     """
 
     inner: str = "inductor"

@@ -21,13 +21,17 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
     plain_borders        a Replicate DTensor crossing a layer border travels as
                          its region's local tensor (when the frame is split)
     split_layers         one piece per layer, pieces with one key compiled once
+    lift_piece_meshes    a shared layer piece's mesh inputs become constants in it,
+                         so its cache keys are the same in a new process
+                         (layer_sharing/piece_meshes.py)
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
                          hoist_subgraph_views; a graph with DTensor inputs or
                          outputs compiled whole runs behind the lean DTensor
-                         border (compiler/dtensor_border.py) unless it refuses;
-                         with stable_cache_keys the mesh inputs leave the graph
-                         handed to AOTAutograd (compiler/cache_keys.py)
+                         border (compiler/dtensor_border.py) unless it refuses,
+                         its mesh inputs lifted out of the graph it compiles;
+                         with stable_cache_keys (no border) the mesh inputs leave
+                         the graph handed to AOTAutograd (compiler/cache_keys.py)
     layer_runs           consecutive shared layers run as one LayerRun
                          (layer_sharing/runs.py)
 
@@ -158,6 +162,12 @@ def _split_layers(f: FrameState) -> None:
     f.run("split_layers", split_layers, f.plan)
 
 
+def _lift_piece_meshes(f: FrameState) -> None:
+    from ..layer_sharing.piece_meshes import lift_piece_meshes
+
+    f.run("lift_piece_meshes", lift_piece_meshes)
+
+
 def _inner(f: FrameState) -> None:
     if not f.split:
         f.observer.lowered(f.gm)
@@ -207,6 +217,8 @@ STAGES: tuple[Stage, ...] = (
           lambda f: f.split and f.borders is not None and bool(f.borders.steps), _plain_borders),
     Stage("split_layers", "one piece per layer; one compile per layer key", "the frame is split",
           lambda f: f.split, _split_layers),
+    Stage("lift_piece_meshes", "mesh inputs of shared layer pieces become constants", "the frame is split",
+          lambda f: f.split, _lift_piece_meshes),
     Stage("inner", "the inner compiler, per piece or whole", "always", lambda f: True, _inner),
     Stage("layer_runs", "consecutive compiled layers run as one LayerRun", "the frame is split",
           lambda f: f.split, _layer_runs),

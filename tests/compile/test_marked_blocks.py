@@ -91,7 +91,7 @@ class localmap_fx_layers(torch.nn.Module):
         getitem_4: "f32[16, 8]" = piece_0[4]
         getitem_5: "f32[8, 16]" = piece_0[5]
         getitem_6: "f32[8, 16]" = piece_0[6]
-        run_0 = self.run_0(getitem_6, l_x_device_mesh, getitem, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5)
+        run_0 = self.run_0(getitem_6, getitem, getitem_1, getitem_2, getitem_3, getitem_4, getitem_5)
         getitem_11: "f32[8, 16]" = run_0[0]
         piece_4 = self.piece_4(getitem_11, l_x_device_mesh)
         getitem_10: "DTensor(f32[], R)" = piece_4[0]

@@ -2,7 +2,10 @@
 
 Each compile runs in a fresh Python process (``_worker``) on a fake process
 group, with ``TORCHINDUCTOR_CACHE_DIR`` pointing at the test's folder, and
-reports torch's cache counters, the loss and the gradients.
+reports torch's cache counters, the loss and the gradients.  With the default
+options the lean border keeps its AOT graphs (no AOTAutogradCache), and
+Inductor's FX graph cache hits (Note: [Stable keys behind the border]); with
+``stable_cache_keys=True`` both caches hit.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _worker(mode: str, n_layers: int, steps: int, save: str, load: str) -> None:
+def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: bool = True) -> None:
     """One compile of the TP stack in this (fresh) process; prints a JSON line."""
     import torch
     import torch.distributed as dist
@@ -36,10 +39,10 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     impl = "torch" if mode == "upstream" else "ours"
-    model = TPStack(mesh, n_layers, d=16, hidden=32, impl=impl)
+    model = TPStack(mesh, n_layers, d=16, hidden=32, impl=impl, marked=mode == "marked")
     x = tp_stack_input(mesh, batch=8, d=16)
     f: Any
-    be = localmap_fx.backend(stable_cache_keys=True, share_layers=True if mode == "shared" else "auto")
+    be = localmap_fx.backend(stable_cache_keys=stable, share_layers=True if mode == "shared" else "auto")
     if mode == "regional":
         for block in model.blocks:
             block.compile(backend=be)  # one backend object: Dynamo guards on its identity
@@ -69,10 +72,11 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str) -> None:
     }))
 
 
-def _run(mode: str, cache_dir: str, n_layers: int = 2, steps: int = 1, save: str = "", load: str = "") -> dict:
+def _run(mode: str, cache_dir: str, n_layers: int = 2, steps: int = 1, save: str = "", load: str = "",
+         stable: bool = True) -> dict:
     code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests', 'compile')!r})\n"
             "from test_warm_restart import _worker\n"
-            f"_worker({mode!r}, {n_layers}, {steps}, {save!r}, {load!r})\n")
+            f"_worker({mode!r}, {n_layers}, {steps}, {save!r}, {load!r}, {stable!r})\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
@@ -95,6 +99,36 @@ def test_a_new_process_hits_both_caches(tmp_path, mode):
     assert warm["aot"].get("autograd_cache_hit", 0) >= 1, warm
     assert warm["aot"].get("autograd_cache_miss", 0) == 0, warm
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_default_options_hit_the_fx_graph_cache_in_a_new_process(tmp_path, mode):
+    """Default options: the graph behind the lean border has no mesh input, so
+    every Inductor compile of the first process is an FX graph cache hit in the
+    second (before, the forward graph, whose inputs held the mesh, missed)."""
+    cold = _run(mode, str(tmp_path / "cache"), n_layers=3, stable=False)
+    warm = _run(mode, str(tmp_path / "cache"), n_layers=3, stable=False)
+    compiles = cold["inductor"].get("fxgraph_cache_miss", 0) + cold["inductor"].get("fxgraph_cache_hit", 0)
+    # a forward and a backward at least (regional: one more backward, for Partial gradients)
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    assert warm["inductor"].get("fxgraph_cache_hit", 0) == compiles, warm
+    # the border keeps its AOT graphs: AOTAutogradCache is not asked
+    assert not any(k.startswith("autograd_cache") for k in warm["aot"]), warm
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+def test_a_marked_blocks_layer_hits_the_fx_graph_cache_in_a_new_process(tmp_path):
+    """Default options, marked blocks: the shared layer piece's mesh input is a
+    constant in it (``lift_piece_meshes``), so its forward and backward hit
+    Inductor's FX graph cache in a new process (before, its forward missed)."""
+    cold = _run("marked", str(tmp_path / "cache"), n_layers=3, stable=False)
+    warm = _run("marked", str(tmp_path / "cache"), n_layers=3, stable=False)
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
+    assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 2, warm
     _same_numbers(cold, warm)
 
 
@@ -151,6 +185,13 @@ def test_mesh_inputs_leave_a_copy_of_dynamos_graph():
     assert """mesh_constant("cpu|(4,)|[0, 1, 2, 3]|('tp',)|""" in lifted.code
     ndim, out = cache_keys.without_meshes(lifted.forward, found, 2)(t, mesh)
     assert ndim == 1 and out is t
+
+    # behind the lean border only a mesh that a DTensor input also carries
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    assert cache_keys.lift_meshes(gm, [t, mesh], carried_only=True)[2] == ()
+    d = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    assert cache_keys.lift_meshes(gm, [d, mesh], carried_only=True)[2] == found
 
     # a graph that returns its mesh keeps it as an input
     g2 = fx.Graph()
