@@ -107,7 +107,8 @@ def figures(res: dict) -> list[dict]:
         target = None if side.startswith("upstream") else 0.25
         rows.append(_row(f"warm[{style},{side},{n}]", f"warm restart ÷ cold, {side}, {n} layers", r["ratio"],
                          r["ratio"], r["ratio"], target,
-                         f"cold {r['cold']['seconds']:.1f} s, warm {r['warm']['seconds']:.1f} s; warm caches: "
+                         f"cold {r['cold']['seconds']:.1f} s, warm {r['warm']['seconds']:.1f} s (wall); CPU "
+                         f"warm / cold {r.get('cpu_ratio', float('nan')):.2f}; warm caches: "
                          f"AOT {r['warm']['aot']}, FX {r['warm']['fx']}"))
     return rows
 
