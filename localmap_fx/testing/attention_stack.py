@@ -55,6 +55,10 @@ class AttnBlock(torch.nn.Module):
 
         self.wq, self.wk, self.wv = (weight(i, [Shard(1)]) for i in range(3))
         self.wo = weight(3, [Shard(0)])
+        # a small output projection keeps the residual stream bounded at 64 layers
+        # (at 1/sqrt(d) the loss overflowed to inf, then NaN gradients)
+        with torch.no_grad():
+            self.wo.mul_(0.1)
 
     def forward(self, x: DTensor) -> DTensor:
         b, s, d = x.shape
