@@ -50,17 +50,37 @@ Note: [The border's wrapper graph]
     DTensor with the traced spec; backward returns the gradient's local
     tensor *as it is* and records its placements while AOTAutograd traces
     the joint graph, so an input's gradient keeps the placements eager gives
-    it, Partial included, when its local tensor has the input's shape; one
-    that does not, such as a Partial gradient of a Shard input, is
-    redistributed to the input's placements as ``DTensor.from_local``'s
-    backward does); each DTensor output gets ``to_local`` with the tangent
-    placements of the variant::
+    it, Partial included, when its local tensor has the input's shape or
+    fits the input's wide slot (Note: [A gradient wider than its input]);
+    any other is redistributed to the input's placements as
+    ``DTensor.from_local``'s backward does); each DTensor output gets
+    ``to_local`` with the tangent placements of the variant::
 
         before:  def forward(x: DTensor, mesh, w: DTensor): ... return (y,)   # y DTensor
         after:   def forward(x_local, mesh, w_local):
                      x = enter_0(x_local); w = enter_2(w_local)
                      ... (the Dynamo graph, copied)
                      return (y.to_local(grad_placements=T0),)
+
+Note: [A gradient wider than its input]
+    Eager DTensor gives a Shard parameter a Partial gradient when the op that
+    reads it says so: ``o @ wo`` with ``wo`` Shard(0) and a Partial gradient
+    arriving gives ``wo.grad`` Partial, its local tensor the global shape
+    (torchtitan's attention output projection, in a whole-model graph).
+    AOTAutograd over DTensors returns that gradient as it is.  At the local
+    level the gradient of ``wo``'s local tensor must have the local shape,
+    so the border used to reduce-scatter it to Shard(0): one collective per
+    layer more than eager and upstream ``torch.compile``, and gradients in
+    other placements.  Instead each DTensor input that requires grad and is
+    smaller locally than globally gets a *wide slot*: one more placeholder
+    of the global shape (an expanded one-element tensor: nothing reads it),
+    which ``_Enter`` takes too.  A gradient whose local tensor has the
+    global shape leaves through the wide slot, and the border hands it to
+    the DTensor input with the placements it was traced with; every other
+    gradient leaves through the local slot as before::
+
+        before:  w2 = enter(w2_local)             w2.grad: reduce_scatter(P) -> S(0)
+        after:   w2 = enter(w2_local, w2_wide)    w2.grad: P (from w2_wide's), as eager
 
 Note: [The border's hot path]
     A regional stack calls one border once per block per step, so its
@@ -136,6 +156,7 @@ class _Variant:
     tangents: tuple[Placements | None, ...]  # per graph output (None: plain output)
     layer: CompiledLayer
     in_grad_specs: list  # per graph input: the spec its gradient gets (None: no gradient / plain)
+    in_grad_wide: list  # per graph input: its gradient leaves through its wide slot
     saved: tuple  # _saved_signature: what its backward reads from the forward
 
 
@@ -151,12 +172,13 @@ def _static(t: torch.Tensor) -> bool:
 
 class _Enter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: Any, record: list) -> torch.Tensor:
+    def forward(ctx, local: torch.Tensor, wide: torch.Tensor | None, spec: Any, record: list) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         ctx.record = record
         ctx.spec = spec
         ctx.local_shape = tuple(local.shape)
+        ctx.wide_shape = None if wide is None else tuple(wide.shape)
         ctx.set_materialize_grads(False)
         # a fresh tensor object sharing memory, as DTensor.from_local makes
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
@@ -166,24 +188,29 @@ class _Enter(torch.autograd.Function):
         from torch.distributed.tensor import DTensor
 
         if grad is None:
-            return None, None, None
+            return None, None, None, None
         if not isinstance(grad, DTensor):
             raise AssertionError(f"the gradient of a DTensor input is a {type(grad).__name__}")
         spec = ctx.spec
-        if tuple(grad.to_local().shape) != ctx.local_shape:
-            # Note: [The border's wrapper graph]: a gradient whose local tensor
-            # has another shape than the input's (a Partial gradient of a Shard
-            # input) is redistributed as DTensor.from_local's backward does
+        shape = tuple(grad.to_local().shape)
+        # Note: [A gradient wider than its input]: a Partial gradient of a
+        # Shard input leaves through the input's wide slot, as eager gives it
+        wide = shape != ctx.local_shape and shape == ctx.wide_shape
+        if shape != ctx.local_shape and not wide:
+            # any other gradient whose local tensor has another shape than the
+            # input's is redistributed, as DTensor.from_local's backward does
             grad = grad.redistribute(spec.mesh, _default_tangent(spec.placements))
         # read while AOTAutograd traces the joint graph (sizes are static)
         # (the mesh is the input's: inside the trace it may be a fake object)
-        ctx.record[:] = [_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype)]
-        return grad.to_local(), None, None
+        ctx.record[:] = [_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype), wide]
+        if wide:
+            return None, grad.to_local(), None, None
+        return grad.to_local(), None, None, None
 
 
 def _enter_fn(spec: Any, record: list) -> Callable:
-    def enter(local: torch.Tensor):
-        return _Enter.apply(local, spec, record)
+    def enter(local: torch.Tensor, wide: torch.Tensor | None = None):
+        return _Enter.apply(local, wide, spec, record)
 
     return enter
 
@@ -196,21 +223,29 @@ def _leave_fn(grad_placements: Placements) -> Callable:
 
 
 def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slot],
-             tangents: Sequence[Placements | None], records: Sequence[list]) -> fx.GraphModule:
-    """The local-level graph around ``gm`` (Note: [The border's wrapper graph])."""
+             tangents: Sequence[Placements | None], records: Sequence[list],
+             wide: Sequence[int] = ()) -> fx.GraphModule:
+    """The local-level graph around ``gm`` (Note: [The border's wrapper graph]);
+    ``wide``: the inputs that get a wide slot, after all others (Note: [A
+    gradient wider than its input])."""
     g = fx.Graph()
     old = [n for n in gm.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, fx.Node] = {}
-    for i, (p, slot) in enumerate(zip(old, inputs)):
+    news = []
+    for p, slot in zip(old, inputs):
         new = g.placeholder(f"{p.name}_local" if slot.spec is not None else p.name)
         new.meta = dict(p.meta)
+        news.append(new)
+    wides = {i: g.placeholder(f"{old[i].name}_wide") for i in wide}
+    for i, (p, slot, new) in enumerate(zip(old, inputs, news)):
         if slot.spec is not None:
             val = p.meta.get("example_value", p.meta.get("val"))
             local = val._local_tensor if val is not None else None
             for k in ("val", "example_value"):
                 if k in new.meta:
                     new.meta[k] = local
-            dt = g.call_function(_enter_fn(slot.spec, records[i]), (new,))
+            args = (new, wides[i]) if i in wides else (new,)
+            dt = g.call_function(_enter_fn(slot.spec, records[i]), args)
             dt.meta = dict(p.meta)
             env[p] = dt
         else:
@@ -336,18 +371,20 @@ class _Backward:
     variant: _Variant
     # per tangent: (output index, local size, stride, dtype, device)
     tangents: tuple[tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device], ...]
-    # per DTensor input: (input index, the spec its gradient gets; None: its trace recorded none)
-    wraps: tuple[tuple[int, Any], ...]
+    # per DTensor input: (input index, where the backward returns its gradient,
+    # the spec the gradient gets; None: its trace recorded none)
+    wraps: tuple[tuple[int, int, Any], ...]
     # the gradients must first be redistributed to the first variant's placements
     redistribute: bool
 
     @staticmethod
-    def of(variant: _Variant, inputs: Sequence[_Slot], redistribute: bool) -> _Backward:
+    def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool) -> _Backward:
         layer = variant.layer
         tangents = tuple((i, torch.Size(size), stride, dtype, device) for i, (size, stride), (dtype, device)
                          in zip(layer.differentiable, layer.tangent_layouts, layer.tangent_types))
-        wraps = tuple((i, spec) for i, (spec, s) in enumerate(zip(variant.in_grad_specs, inputs))
-                      if s.spec is not None)
+        slot = {i: len(inputs) + k for k, i in enumerate(wide)}
+        wraps = tuple((i, slot[i] if is_wide else i, spec) for i, (spec, is_wide, s)
+                      in enumerate(zip(variant.in_grad_specs, variant.in_grad_wide, inputs)) if s.spec is not None)
         return _Backward(variant, tangents, wraps, redistribute)
 
 
@@ -355,9 +392,14 @@ class DTensorBorder:
     """A compiled graph run between DTensors (Note: [A backward per tangent placement])."""
 
     def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
-                 inputs: list[_Slot], outputs: list[_Slot], first: _Variant) -> None:
+                 inputs: list[_Slot], outputs: list[_Slot], first: _Variant, wide: tuple[int, ...] = (),
+                 wide_values: tuple[torch.Tensor, ...] = ()) -> None:
         self._gm = gm
         self._local_inputs = local_inputs
+        # Note: [A gradient wider than its input]: the inputs with a wide slot,
+        # and what the compiled forward is given there (never read)
+        self.wide = wide
+        self._wide_values = wide_values
         self._fake_mode = fake_mode
         self._compile_one = compile_one
         self.inputs = tuple(inputs)
@@ -424,7 +466,7 @@ class DTensorBorder:
         if bw is None:
             variant = self.variant_for(tangents)
             bw = self._backwards[tangents] = _Backward.of(variant if variant is not None else self.first,
-                                                          self.inputs, redistribute=variant is None)
+                                                          self.inputs, self.wide, redistribute=variant is None)
         if len(self._seen) >= _SEEN:
             # fresh placements every step (a gradient built anew each time): start over
             self._seen.clear()
@@ -436,7 +478,7 @@ class DTensorBorder:
         if tangents in self.variants:
             return self.variants[tangents]
         v = _compile_variant(self._gm, self._local_inputs, self._fake_mode, self._compile_one,
-                             self.inputs, self.outputs, tangents)
+                             self.inputs, self.outputs, tangents, self.wide)
         first = self.first.layer
         usable = (not isinstance(v, Refusal) and v.saved == self.first.saved
                   and (v.layer.n_outputs, v.layer.n_opaque, v.layer.n_symints)
@@ -469,14 +511,28 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
 
 
 def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
-                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple) -> _Variant | Refusal:
+                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
+                     wide: Sequence[int] = ()) -> _Variant | Refusal:
     records: list[list] = [[] for _ in inputs]
-    wrapped = _wrapper(gm, inputs, outputs, tangents, records)
+    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
     compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode)
     layer = compiled_layer(compiled.aot_graphs, fw_metadata)
     if isinstance(layer, Refusal):
         return layer
-    return _Variant(tangents, layer, [r[0] if r else None for r in records], _saved_signature(compiled.aot_graphs))
+    return _Variant(tangents, layer, [r[0] if r else None for r in records], [bool(r and r[1]) for r in records],
+                    _saved_signature(compiled.aot_graphs))
+
+
+def _wide_inputs(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> tuple[int, ...]:
+    """The DTensor inputs that require grad and whose local tensor is smaller than
+    the DTensor (Note: [A gradient wider than its input])."""
+    return tuple(i for i, (v, s) in enumerate(zip(example_inputs, inputs))
+                 if s.spec is not None and v.requires_grad and tuple(v._local_tensor.shape) != s.shape)
+
+
+def _wide_value(v: Any) -> torch.Tensor:
+    """A wide slot's value: the DTensor's global shape over one element (nothing reads it)."""
+    return torch.empty((), dtype=v.dtype, device=v._local_tensor.device).expand(v.shape).detach()
 
 
 def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
@@ -536,12 +592,16 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
                      None) or detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         return Refusal(BorderRefused.NO_FAKE_MODE, "compiled outside Dynamo (no fake mode)")
+    wide = _wide_inputs(example_inputs, inputs)
     local_inputs = _local_examples(example_inputs, inputs, fake_mode)
+    with fake_mode:
+        local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
     tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
-    first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents)
+    first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents, wide)
     if isinstance(first, Refusal):
         return first
-    return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first)
+    return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first, wide,
+                         tuple(_wide_value(example_inputs[i]) for i in wide))
 
 
 _TENSOR = object()
@@ -561,6 +621,7 @@ class _BorderFunction(torch.autograd.Function):
         local = list(args)
         for i in border._dt_inputs:
             local[i] = local[i]._local_tensor
+        local += border._wide_values
         flat = layer.forward(local)
         n = layer.n_outputs
         outs = list(flat[:n])
@@ -627,13 +688,14 @@ class _BorderFunction(torch.autograd.Function):
                     f"{tuple(g.shape)}, its backward was compiled for {tuple(size)}")
             args.append(g if g.stride() == stride or g.numel() <= 1 else _as_traced(g, (size, stride)))
         out = list(layer.backward(args))
-        for i, spec in bw.wraps:
-            g = out[i]
+        n = len(border.inputs)
+        for i, at, spec in bw.wraps:
+            g = out[at]
             if g is not None:
                 if spec is None:
                     raise AssertionError("a DTensor input got a gradient its trace did not record")
                 out[i] = _new_dtensor(g, spec)
-        return (None, *out)
+        return (None, *out[:n])
 
 
 def _new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:

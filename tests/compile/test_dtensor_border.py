@@ -138,10 +138,74 @@ def test_partial_gradient_gets_a_backward_of_its_own():
         assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
         assert border.variants[((Partial(),),)] is not None
         # eager gives x a Partial gradient; so does the border (AOTAutograd's
-        # runtime too); w2's Partial gradient is reduced to its Shard(0), as
-        # DTensor.from_local's backward does
+        # runtime too); w2's gradient is Partial as in eager, its local
+        # tensor the global shape (Note: [A gradient wider than its input])
         assert eager[0][0] == got[0][0] == (Partial(),)
-        assert got[2][0] == (Shard(0),)
+        assert eager[2][0] == got[2][0] == (Partial(),)
+
+
+def _reductions_in_backward(loss) -> int:
+    """How many reducing collectives ``loss.backward()`` issues (eager DTensor and compiled code alike)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d" in func.namespace and "reduce" in func.__name__:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        loss.backward()
+    return Count.n
+
+
+def _two_blocks(x, a1, a2, b1, b2):
+    return (_col_row(_col_row(x, a1, a2), b1, b2) ** 2).sum()
+
+
+def _steady_backward(f, x, ws):
+    """Gradients and reductions of ``f``'s second backward (the first may compile)."""
+    f(x, *ws).backward()
+    _clear(x, *ws)
+    n = _reductions_in_backward(f(x, *ws))
+    got = _grads(x, *ws)
+    _clear(x, *ws)
+    return got, n
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_partial_gradient_of_a_shard_weight_leaves_as_eager_gives_it(inner):
+    """Two blocks in one graph: the gradient reaching the first block's output
+    is Partial (from the second block's ``x @ w1``), so eager gives the first
+    ``w2`` (Shard(0)) a Partial gradient of the global shape, and so does
+    upstream ``torch.compile``.  The border hands it over as it is, through
+    ``w2``'s wide slot, with no more reductions than upstream's backward (it
+    used to reduce-scatter it to Shard(0): one more per layer)."""
+    x = _dt((8, 16), [Replicate()], 0)
+    ws = [_dt((16, 32), [Shard(1)], 1), _dt((32, 16), [Shard(0)], 2),
+          _dt((16, 32), [Shard(1)], 3), _dt((32, 16), [Shard(0)], 4)]
+
+    _two_blocks(x, *ws).backward()
+    eager = _grads(x, *ws)
+    _clear(x, *ws)
+    assert eager[2][0] == (Partial(),)  # what the test is about
+    upstream, upstream_reductions = _steady_backward(torch.compile(_two_blocks, backend=inner), x, ws)
+    torch._dynamo.reset()
+
+    backend, seen = _recording(inner)
+    got, reductions = _steady_backward(torch.compile(_two_blocks, backend=backend), x, ws)
+    (border,) = seen
+    assert isinstance(border, DTensorBorder), border
+    assert border.wide == (1, 2, 3, 4)  # the Shard weights; x is Replicate
+    assert [g[0] for g in got] == [g[0] for g in eager] == [g[0] for g in upstream]
+    if inner == "aot_eager":
+        _same(eager, got)
+    else:
+        for e, g in zip(eager, got):
+            torch.testing.assert_close(g[1], e[1])
+    assert reductions <= upstream_reductions, (reductions, upstream_reductions)
 
 
 def test_gradient_redistributed_when_no_backward_fits():
