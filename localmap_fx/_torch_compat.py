@@ -197,6 +197,9 @@ SYMBOLS: tuple[Symbol, ...] = (
            "a DTensorSpec needs the global shape, stride and dtype"),
     Symbol("gen_transform_infos_non_cached", f"{_DT}._redistribute", "_gen_transform_infos_non_cached",
            CHECKED, "DTensor's redistribute planner, uncached so no mesh is kept alive"),
+    Symbol("redistribute_local_tensor", f"{_DT}._redistribute", "redistribute_local_tensor", CHECKED,
+           "the lean border turns a Replicate gradient into the Partial its backward was compiled for, "
+           "as DTensor's own backward does (DTensor.redistribute refuses Replicate -> Partial)"),
     Symbol("assert_no_mixed_partial_types", f"{_DT}._utils", "assert_no_mixed_partial_types", CHECKED,
            "eager from_local rejects what DTensor.from_local rejects"),
     Symbol("compute_global_tensor_info", f"{_DT}._utils", "compute_global_tensor_info", CHECKED,
@@ -287,6 +290,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor._redistribute import (
         _gen_transform_infos_non_cached as gen_transform_infos_non_cached,
     )
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
     from torch.distributed.tensor._utils import assert_no_mixed_partial_types, compute_global_tensor_info
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
     from torch.fx.passes.reinplace import _is_view_op as is_view_op

@@ -62,6 +62,35 @@ Note: [The border's wrapper graph]
                      ... (the Dynamo graph, copied)
                      return (y.to_local(grad_placements=T0),)
 
+Note: [The gradient a stack sends back]
+    Under regional compilation one border runs every block of a stack, and
+    the gradient reaching a block's output is the gradient of the next
+    block's input: for a Replicate-in, Replicate-out block (TP, attention)
+    it is Partial, except at the last block, whose gradient comes from the
+    loss as Replicate.  Compiling the first variant for the default
+    (Replicate) and a second at the first Partial doubled the cold compile,
+    and for the attention block the second could not be used (its forward
+    saves other values), so each block ran an eager all_reduce.  So when an
+    output feeds an input of the same spec (:func:`_chained`), the border
+    first traces the wrapper with the default tangents through AOTAutograd
+    alone (``inner.trace_only``: no Inductor) and reads the placements that
+    input's gradient gets; if the default converts to them without
+    communication (Replicate to Partial: DTensor's backward divides by the
+    group size), the one compiled variant is for those placements.  A
+    Replicate gradient is then converted, not compiled for (AOTAutograd
+    coerces a tangent to its traced placements the same way), and the input
+    gradients whose placements the trace saw differ for the default
+    tangents are redistributed to them, so every gradient keeps the
+    placements eager gives it.  Only the last block pays: one local division
+    and, for a Shard weight whose gradient became Partial, one
+    reduce-scatter.  Values are eager's up to the order of summation (bitwise
+    on 2 gloo ranks for the TP stack under aot_eager, where a sum of two
+    halves is exact)::
+
+        default:    compile (R), then (P) at the first inner block's backward
+        predicted:  trace (R) [no Inductor] -> x's gradient is P -> compile (P);
+                    the last block's R gradient: R -> P locally
+
 Note: [A gradient wider than its input]
     Eager DTensor gives a Shard parameter a Partial gradient when the op that
     reads it says so: ``o @ wo`` with ``wo`` Shard(0) and a Partial gradient
@@ -361,6 +390,60 @@ def _default_tangent(placements: Placements) -> Placements:
     return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
+def _converts_locally(arrived: Placements, traced: Placements) -> bool:
+    """Whether a gradient in ``arrived`` becomes ``traced`` without communication
+    (per mesh dimension: the same, or Replicate to Partial or to Shard)."""
+    return len(arrived) == len(traced) and all(
+        a == t or (a.is_replicate() and (t.is_partial() or t.is_shard())) for a, t in zip(arrived, traced))
+
+
+def _chained(inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any]) -> dict[int, int]:
+    """Output -> the input it would feed if the graph were called on its own
+    result (a block of a stack): same placements, shape and dtype, and the
+    input requires grad; only outputs with one such input."""
+    out: dict[int, int] = {}
+    for o, so in enumerate(outputs):
+        if so.spec is None:
+            continue
+        same = [i for i, (si, v) in enumerate(zip(inputs, example_inputs))
+                if si.spec is not None and v.requires_grad and si.shape == so.shape
+                and si.spec.placements == so.spec.placements
+                and si.spec.tensor_meta.dtype == so.spec.tensor_meta.dtype]
+        if len(same) == 1:
+            out[o] = same[0]
+    return out
+
+
+def _predicted_tangents(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
+                        inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
+                        wide: Sequence[int]) -> tuple[tuple, tuple | None]:
+    """The tangent placements the first variant is compiled for (Note: [The
+    gradient a stack sends back]): each output's default, or, for an output
+    that feeds an input of the next call, the placements that input's
+    gradient gets, read from a trace (no Inductor) when the default converts
+    to them locally.  Also, when they differ from the defaults, the
+    placements of the inputs' gradients for the default tangents (per input,
+    None for no gradient), from the same trace."""
+    tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
+    chained = _chained(inputs, outputs, example_inputs)
+    if not chained:
+        return tangents, None
+    from .inner import trace_only
+
+    records: list[list] = [[] for _ in inputs]
+    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
+    compile_with_metadata(trace_only, wrapped, list(local_inputs), False, fake_mode)
+    predicted = list(tangents)
+    for o, i in chained.items():
+        rec = records[i]
+        default = tangents[o]
+        if rec and not rec[1] and default is not None and _converts_locally(default, tuple(rec[0].placements)):
+            predicted[o] = tuple(rec[0].placements)
+    if tuple(predicted) == tangents:
+        return tangents, None
+    return tuple(predicted), tuple(tuple(r[0].placements) if r else None for r in records)
+
+
 _SEEN = 16  # identities of arrived placements remembered per border
 
 
@@ -376,6 +459,9 @@ class _Backward:
     wraps: tuple[tuple[int, int, Any], ...]
     # the gradients must first be redistributed to the first variant's placements
     redistribute: bool
+    # per input gradient then redistributed: (input index, the placements the
+    # arriving tangents give it) (Note: [The gradient a stack sends back])
+    regrad: tuple[tuple[int, Placements], ...] = ()
 
     @staticmethod
     def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool) -> _Backward:
@@ -393,13 +479,17 @@ class DTensorBorder:
 
     def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
                  inputs: list[_Slot], outputs: list[_Slot], first: _Variant, wide: tuple[int, ...] = (),
-                 wide_values: tuple[torch.Tensor, ...] = ()) -> None:
+                 wide_values: tuple[torch.Tensor, ...] = (), default_grads: tuple | None = None) -> None:
         self._gm = gm
         self._local_inputs = local_inputs
         # Note: [A gradient wider than its input]: the inputs with a wide slot,
         # and what the compiled forward is given there (never read)
         self.wide = wide
         self._wide_values = wide_values
+        # Note: [The gradient a stack sends back]: the default tangents, when
+        # first is compiled for others, and the input gradients' placements they give
+        self._default = None if default_grads is None else (
+            tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs), default_grads)
         self._fake_mode = fake_mode
         self._compile_one = compile_one
         self.inputs = tuple(inputs)
@@ -464,9 +554,19 @@ class DTensorBorder:
         tangents = tuple(seen)
         bw = self._backwards.get(tangents)
         if bw is None:
+            if tangents != self.first.tangents and all(
+                    a is None or t is None or _converts_locally(a, t) for a, t in zip(tangents, self.first.tangents)):
+                # Note: [The gradient a stack sends back]: converted, not compiled for
+                self.variants.setdefault(tangents, None)
             variant = self.variant_for(tangents)
-            bw = self._backwards[tangents] = _Backward.of(variant if variant is not None else self.first,
-                                                          self.inputs, self.wide, redistribute=variant is None)
+            bw = _Backward.of(variant if variant is not None else self.first, self.inputs, self.wide,
+                              redistribute=variant is None)
+            if variant is None and self._default is not None and tangents == self._default[0]:
+                traced = [None if s is None else tuple(s.placements) for s in self.first.in_grad_specs]
+                bw = dataclasses.replace(bw, regrad=tuple(
+                    (i, want) for i, (want, got) in enumerate(zip(self._default[1], traced))
+                    if want is not None and got is not None and want != got))
+            self._backwards[tangents] = bw
         if len(self._seen) >= _SEEN:
             # fresh placements every step (a gradient built anew each time): start over
             self._seen.clear()
@@ -596,12 +696,12 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     local_inputs = _local_examples(example_inputs, inputs, fake_mode)
     with fake_mode:
         local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
-    tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
+    tangents, default_grads = _predicted_tangents(gm, local_inputs, fake_mode, inputs, outputs, example_inputs, wide)
     first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents, wide)
     if isinstance(first, Refusal):
         return first
     return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first, wide,
-                         tuple(_wide_value(example_inputs[i]) for i in wide))
+                         tuple(_wide_value(example_inputs[i]) for i in wide), default_grads)
 
 
 _TENSOR = object()
@@ -663,7 +763,7 @@ class _BorderFunction(torch.autograd.Function):
             # Note: [A backward per tangent placement]: AOTAutograd's way
             first = border.first.tangents
             grads = tuple(g if g is None or border.outputs[i].spec is None or g.placements == first[i]
-                          else g.redistribute(g.device_mesh, first[i])
+                          else _to_placements(g, first[i])  # type: ignore[arg-type]  # a DTensor output's
                           for i, g in enumerate(grads))
         layer = bw.variant.layer
         if layer.donates_buffers and get_current_graph_task_keep_graph():
@@ -695,7 +795,22 @@ class _BorderFunction(torch.autograd.Function):
                 if spec is None:
                     raise AssertionError("a DTensor input got a gradient its trace did not record")
                 out[i] = _new_dtensor(g, spec)
+        for i, placements in bw.regrad:
+            if out[i] is not None:
+                out[i] = _to_placements(out[i], placements)
         return (None, *out[:n])
+
+
+def _to_placements(g: DTensor, placements: Placements) -> DTensor:
+    """``g`` redistributed to ``placements``; Replicate to Partial too, which
+    ``DTensor.redistribute`` refuses and DTensor's backward does (a local
+    division for a sum: Note: [The gradient a stack sends back])."""
+    if not _converts_locally(g.placements, placements):
+        return g.redistribute(g.device_mesh, placements)
+    from .._torch_compat import redistribute_local_tensor
+
+    target = _spec(g.device_mesh, placements, g.shape, g.stride(), g.dtype)
+    return _new_dtensor(redistribute_local_tensor(g._local_tensor, g._spec, target), target)
 
 
 def _new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:

@@ -22,7 +22,7 @@ import torch.fx as fx
 from .observe import Observer
 from .options import INNER_COMPILERS, BackendOptions
 
-__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "inner_compiler"]
+__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "inner_compiler", "trace_only"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,19 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
+
+
+def trace_only(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
+    """AOTAutograd's trace of ``gm``, forward and backward, compiled by nothing:
+    for what tracing records (a ``CompileOne``; ``aot_graphs`` is ignored)."""
+    from functorch.compile import make_boxed_func
+
+    from .._torch_compat import aot_module_simplified
+
+    def nothing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        return make_boxed_func(gm.forward)
+
+    return Compiled(aot_module_simplified(gm, example_inputs, fw_compiler=nothing, bw_compiler=nothing))
 
 
 def _backward_now(keep: Kept):

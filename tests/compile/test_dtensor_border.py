@@ -98,10 +98,11 @@ def test_hand_written_graph_equals_eager_through_the_border(inner):
     _clear(x, w1, w2)
 
     backend, seen = _recording(inner)
-    out = torch.compile(_col_row, backend=backend)(x, w1, w2)
+    # the loss inside: a block's own output would be compiled for the gradient
+    # the next block sends (test_block_is_compiled_for_the_gradient_the_next_block_sends)
+    loss = torch.compile(lambda x, w1, w2: (_col_row(x, w1, w2) ** 2).sum(), backend=backend)(x, w1, w2)
     # the user's mesh object, not the fake stand-in the trace saw
-    assert out.device_mesh is x.device_mesh
-    loss = (out ** 2).sum()
+    assert loss.device_mesh is x.device_mesh
     loss.backward()
     got = [loss.to_local().clone(), *_grads(x, w1, w2)]
     (border,) = seen
@@ -111,37 +112,51 @@ def test_hand_written_graph_equals_eager_through_the_border(inner):
     assert eager[1][0] == got[1][0] == (Partial(),)
 
 
-def test_partial_gradient_gets_a_backward_of_its_own():
-    """A Replicate output whose gradient arrives Partial: the border compiles a
-    backward for Partial (once), the gradients are eager's, and a second step
-    compiles nothing."""
+def test_block_is_compiled_for_the_gradient_the_next_block_sends():
+    """A block whose output feeds its own input in a stack (Replicate in,
+    Replicate out): the border reads from a trace that the input's gradient
+    is Partial, so the gradient the next block sends is Partial too, and it
+    compiles the backward for Partial alone (Note: [The gradient a stack sends
+    back]).  A Replicate gradient (the last block's, from the loss) is turned
+    into Partial locally, as DTensor's backward does: nothing is compiled
+    for it.  Under the fake process group the collectives do nothing, so the
+    values are compared for the Partial gradient only (same collectives as
+    eager); the gloo test compares both."""
     x = _dt((8, 16), [Replicate()], 0)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
 
-    def downstream(y):
+    def partial(y):
         # the gradient reaching y is Partial, as after the next block's region
         return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
 
-    downstream(_col_row(x, w1, w2)).backward()
-    eager = _grads(x, w1, w2)
-    _clear(x, w1, w2)
+    def replicate(y):
+        return (y.to_local() ** 2).sum()
+
+    eager = {}
+    for down in (partial, replicate):
+        down(_col_row(x, w1, w2)).backward()
+        eager[down] = _grads(x, w1, w2)
+        _clear(x, w1, w2)
 
     backend, seen = _recording("aot_eager")
     f = torch.compile(_col_row, backend=backend)
     for _ in range(2):
-        downstream(f(x, w1, w2)).backward()
+        partial(f(x, w1, w2)).backward()
         got = _grads(x, w1, w2)
-        _same(eager, got)
+        _same(eager[partial], got)
         _clear(x, w1, w2)
         (border,) = seen
-        assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
-        assert border.variants[((Partial(),),)] is not None
+        assert list(border.variants) == [((Partial(),),)]
         # eager gives x a Partial gradient; so does the border (AOTAutograd's
         # runtime too); w2's gradient is Partial as in eager, its local
         # tensor the global shape (Note: [A gradient wider than its input])
-        assert eager[0][0] == got[0][0] == (Partial(),)
-        assert eager[2][0] == got[2][0] == (Partial(),)
+        assert eager[partial][0][0] == got[0][0] == (Partial(),)
+        assert eager[partial][2][0] == got[2][0] == (Partial(),)
+    replicate(f(x, w1, w2)).backward()
+    assert list(border.variants) == [((Partial(),),), ((Replicate(),),)]
+    assert border.variants[((Replicate(),),)] is None  # converted, not compiled
+    assert [g[0] for g in _grads(x, w1, w2)] == [g[0] for g in eager[replicate]]
 
 
 def _reductions_in_backward(loss) -> int:
@@ -211,8 +226,9 @@ def test_partial_gradient_of_a_shard_weight_leaves_as_eager_gives_it(inner):
 def test_gradient_redistributed_when_no_backward_fits():
     """When a backward for the arriving placements cannot read the first
     forward's saved values, the gradient is redistributed to the traced
-    placements: AOTAutograd's way, so its gradients are AOTAutograd's."""
-    x = _dt((8, 16), [Replicate()], 0)
+    placements: AOTAutograd's way, so its gradients are AOTAutograd's.  (``x``
+    needs no gradient: the block is compiled for Replicate first.)"""
+    x = _dt((8, 16), [Replicate()], 0, requires_grad=False)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
 
@@ -239,8 +255,10 @@ def test_gradients_alternating_placements_pick_their_backward_each_call():
     """One compiled graph whose output's gradient arrives Partial, then
     Replicate, then Partial again, each time in a fresh DTensor: every call
     runs the backward of the placements that arrived (the border remembers
-    placements by identity, Note: [The border's hot path]), and equals eager."""
-    x = _dt((8, 16), [Replicate()], 0)
+    placements by identity, Note: [The border's hot path]), and equals eager.
+    (``x`` needs no gradient: the block is compiled for Replicate first, and
+    for Partial when it arrives.)"""
+    x = _dt((8, 16), [Replicate()], 0, requires_grad=False)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
 
@@ -261,7 +279,7 @@ def test_gradients_alternating_placements_pick_their_backward_each_call():
         down(f(x, w1, w2)).backward()
         got = _grads(x, w1, w2)
         _same(eager[down], got)
-        assert got[0][0] == eager[down][0][0]  # x's gradient keeps eager's placements
+        assert got[2][0] == eager[down][2][0]  # w2's gradient keeps eager's placements
         _clear(x, w1, w2)
     (border,) = seen
     assert list(border.variants) == [((Replicate(),),), ((Partial(),),)]
@@ -458,15 +476,19 @@ def test_regional_stack_runs_behind_the_border_and_equals_eager(inner):
     # one frame for every block, as upstream regional compilation (the blocks'
     # outputs carry the user's mesh, so Dynamo's guards on it hold)
     assert len(seen) == 1 and isinstance(seen[0], DTensorBorder), seen
-    # inner blocks get Partial gradients, the last block (from the loss) Replicate
-    assert {t for b in seen for t, v in b.variants.items() if v is not None} == {
-        ((Replicate(),),), ((Partial(),),)}
-    for e, g in zip(eager, got):
-        for a, b in zip(e, g):
-            if inner == "aot_eager":
-                assert torch.equal(a, b)
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # compiled once, for the Partial gradients the inner blocks get; the last
+    # block's Replicate gradient (from the loss) is converted locally (Note:
+    # [The gradient a stack sends back]).  The values are compared on gloo
+    # (test_regional_stack_on_gloo_equals_eager_bitwise_under_aot_eager): under
+    # the fake process group the conversion's reduction does nothing.
+    (border,) = seen
+    assert border.first.tangents == ((Partial(),),)
+    assert border.variants == {((Partial(),),): border.first, ((Replicate(),),): None}
+    for e, g in zip(eager, got):  # the losses: the forward is eager's
+        if inner == "aot_eager":
+            assert torch.equal(e[0], g[0])
+        else:
+            torch.testing.assert_close(e[0], g[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.inductor
