@@ -414,34 +414,70 @@ def _chained(inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: 
     return out
 
 
-def _predicted_tangents(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
-                        inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
-                        wide: Sequence[int]) -> tuple[tuple, tuple | None]:
-    """The tangent placements the first variant is compiled for (Note: [The
-    gradient a stack sends back]): each output's default, or, for an output
-    that feeds an input of the next call, the placements that input's
-    gradient gets, read from a trace (no Inductor) when the default converts
-    to them locally.  Also, when they differ from the defaults, the
-    placements of the inputs' gradients for the default tangents (per input,
-    None for no gradient), from the same trace."""
-    tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
-    chained = _chained(inputs, outputs, example_inputs)
-    if not chained:
-        return tangents, None
+@dataclasses.dataclass(frozen=True)
+class _TangentPlan:
+    """Which tangents the first variant is compiled for, and what the border
+    knows in advance of others (Note: [The gradient a stack sends back])."""
+
+    first: tuple  # per output: placements (None: plain output)
+    # other tangents traced: (tangents, per input the placements of its
+    # gradient for them, None for no gradient)
+    traced: tuple[tuple[tuple, tuple], ...] = ()
+    # tangents known to cost more compiled than converted: never compiled
+    converted: tuple = ()
+
+    def text(self) -> str:
+        out = f"compile {_placements_text(self.first)}"
+        return out + "".join(f"; convert {_placements_text(t)}" for t in self.converted)
+
+
+def _traced(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
+            outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple[list, int]:
+    """The input-gradient records and the number of collectives (forward and
+    backward) of the wrapper traced for ``tangents``, without Inductor."""
+    from ..graph_utils import is_collective
     from .inner import trace_only
 
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    compile_with_metadata(trace_only, wrapped, list(local_inputs), False, fake_mode)
-    predicted = list(tangents)
+    traced, _ = compile_with_metadata(trace_only, wrapped, list(local_inputs), True, fake_mode)
+    return records, sum(is_collective(n) for a in traced.aot_graphs for n in a.graph.graph.nodes)
+
+
+def _plan_tangents(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
+                   inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
+                   wide: Sequence[int]) -> _TangentPlan:
+    """The :class:`_TangentPlan` (Note: [The gradient a stack sends back]).
+
+    An output that feeds an input of the same spec in the next call (a
+    stack's block) will get that input's gradient: when its placements
+    differ from the default and the default converts to them locally
+    (Replicate to Partial), the two are traced (AOTAutograd alone) and the
+    one with fewer collectives wins, counting one collective per output a
+    default variant must convert the other's gradient back with (Partial to
+    Replicate: an all_reduce).  A tie goes to the chained placements (their
+    reductions run in compiled code).
+    """
+    default = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
+    chained = _chained(inputs, outputs, example_inputs)
+    if not chained:
+        return _TangentPlan(default)
+    records, default_cost = _traced(gm, local_inputs, fake_mode, inputs, outputs, default, wide)
+
+    def grads(recs: list) -> tuple:
+        return tuple(tuple(r[0].placements) if r else None for r in recs)
+
+    alt = list(default)
     for o, i in chained.items():
-        rec = records[i]
-        default = tangents[o]
-        if rec and not rec[1] and default is not None and _converts_locally(default, tuple(rec[0].placements)):
-            predicted[o] = tuple(rec[0].placements)
-    if tuple(predicted) == tangents:
-        return tangents, None
-    return tuple(predicted), tuple(tuple(r[0].placements) if r else None for r in records)
+        rec, d = records[i], default[o]
+        if rec and not rec[1] and d is not None and _converts_locally(d, tuple(rec[0].placements)):
+            alt[o] = tuple(rec[0].placements)
+    if tuple(alt) == default:
+        return _TangentPlan(default)
+    alt_records, alt_cost = _traced(gm, local_inputs, fake_mode, inputs, outputs, tuple(alt), wide)
+    if alt_cost <= default_cost + sum(a != d for a, d in zip(alt, default)):
+        return _TangentPlan(tuple(alt), traced=((default, grads(records)),))
+    return _TangentPlan(default, traced=((tuple(alt), grads(alt_records)),), converted=(tuple(alt),))
 
 
 _SEEN = 16  # identities of arrived placements remembered per border
@@ -479,7 +515,7 @@ class DTensorBorder:
 
     def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
                  inputs: list[_Slot], outputs: list[_Slot], first: _Variant, wide: tuple[int, ...] = (),
-                 wide_values: tuple[torch.Tensor, ...] = (), default_grads: tuple | None = None) -> None:
+                 wide_values: tuple[torch.Tensor, ...] = (), plan: _TangentPlan | None = None) -> None:
         self._gm = gm
         self._local_inputs = local_inputs
         # Note: [A gradient wider than its input]: the inputs with a wide slot,
@@ -488,8 +524,9 @@ class DTensorBorder:
         self._wide_values = wide_values
         # Note: [The gradient a stack sends back]: the default tangents, when
         # first is compiled for others, and the input gradients' placements they give
-        self._default = None if default_grads is None else (
-            tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs), default_grads)
+        self.plan = plan if plan is not None else _TangentPlan(first.tangents)
+        # Note: [The gradient a stack sends back]: input-gradient placements traced for other tangents
+        self._traced_grads = dict(self.plan.traced)
         self._fake_mode = fake_mode
         self._compile_one = compile_one
         self.inputs = tuple(inputs)
@@ -498,6 +535,8 @@ class DTensorBorder:
         # tangent placements -> a variant whose backward reads first's saved values, or None
         # (its forward differs: such gradients are redistributed to first's placements)
         self.variants: dict[tuple, _Variant | None] = {first.tangents: first}
+        # Note: [The gradient a stack sends back]: placements a trace showed cost more compiled
+        self._converted = frozenset(self.plan.converted)
         # Note: [The border's hot path]: everything a call reads, built once
         self._in_checks = tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs)
                                 if s.spec is not None)
@@ -554,17 +593,18 @@ class DTensorBorder:
         tangents = tuple(seen)
         bw = self._backwards.get(tangents)
         if bw is None:
-            if tangents != self.first.tangents and all(
+            if tangents in self._converted or tangents != self.first.tangents and all(
                     a is None or t is None or _converts_locally(a, t) for a, t in zip(tangents, self.first.tangents)):
                 # Note: [The gradient a stack sends back]: converted, not compiled for
                 self.variants.setdefault(tangents, None)
             variant = self.variant_for(tangents)
             bw = _Backward.of(variant if variant is not None else self.first, self.inputs, self.wide,
                               redistribute=variant is None)
-            if variant is None and self._default is not None and tangents == self._default[0]:
+            wanted = self._traced_grads.get(tangents)
+            if variant is None and wanted is not None:
                 traced = [None if s is None else tuple(s.placements) for s in self.first.in_grad_specs]
                 bw = dataclasses.replace(bw, regrad=tuple(
-                    (i, want) for i, (want, got) in enumerate(zip(self._default[1], traced))
+                    (i, want) for i, (want, got) in enumerate(zip(wanted, traced))
                     if want is not None and got is not None and want != got))
             self._backwards[tangents] = bw
         if len(self._seen) >= _SEEN:
@@ -696,12 +736,12 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     local_inputs = _local_examples(example_inputs, inputs, fake_mode)
     with fake_mode:
         local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
-    tangents, default_grads = _predicted_tangents(gm, local_inputs, fake_mode, inputs, outputs, example_inputs, wide)
-    first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents, wide)
+    plan = _plan_tangents(gm, local_inputs, fake_mode, inputs, outputs, example_inputs, wide)
+    first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide)
     if isinstance(first, Refusal):
         return first
     return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first, wide,
-                         tuple(_wide_value(example_inputs[i]) for i in wide), default_grads)
+                         tuple(_wide_value(example_inputs[i]) for i in wide), plan)
 
 
 _TENSOR = object()

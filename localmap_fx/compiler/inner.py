@@ -125,16 +125,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
 
 
 def trace_only(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
-    """AOTAutograd's trace of ``gm``, forward and backward, compiled by nothing:
-    for what tracing records (a ``CompileOne``; ``aot_graphs`` is ignored)."""
-    from functorch.compile import make_boxed_func
-
-    from .._torch_compat import aot_module_simplified
-
-    def nothing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        return make_boxed_func(gm.forward)
-
-    return Compiled(aot_module_simplified(gm, example_inputs, fw_compiler=nothing, bw_compiler=nothing))
+    """AOTAutograd's trace of ``gm``, compiled by nothing (aot_eager, observed by
+    no one): for what tracing records and the graphs it makes (a ``CompileOne``)."""
+    keep: Kept = [] if aot_graphs else None
+    fn = _aot_eager(gm, example_inputs, BackendOptions(inner="aot_eager"), Observer(), keep)
+    return Compiled(fn, tuple(keep) if keep is not None else ())
 
 
 def _backward_now(keep: Kept):

@@ -112,51 +112,79 @@ def test_hand_written_graph_equals_eager_through_the_border(inner):
     assert eager[1][0] == got[1][0] == (Partial(),)
 
 
+def _downstream(placements):
+    """A loss whose gradient reaches ``y`` in ``placements`` (Partial: as after
+    the next block's region; Replicate: as from the loss)."""
+    def loss(y):
+        return (y.to_local(grad_placements=placements) ** 2).sum()
+
+    return loss
+
+
 def test_block_is_compiled_for_the_gradient_the_next_block_sends():
-    """A block whose output feeds its own input in a stack (Replicate in,
-    Replicate out): the border reads from a trace that the input's gradient
-    is Partial, so the gradient the next block sends is Partial too, and it
-    compiles the backward for Partial alone (Note: [The gradient a stack sends
+    """A TP block (Replicate in, Replicate out, its weights inside local_map
+    regions): the border traces it for Replicate and for the Partial gradient
+    its input gets, which the next block sends; Partial costs no more
+    collectives, so it is the one compiled (Note: [The gradient a stack sends
     back]).  A Replicate gradient (the last block's, from the loss) is turned
-    into Partial locally, as DTensor's backward does: nothing is compiled
-    for it.  Under the fake process group the collectives do nothing, so the
-    values are compared for the Partial gradient only (same collectives as
-    eager); the gloo test compares both."""
+    into Partial locally, as DTensor's backward does: nothing is compiled for
+    it, and the gradients keep eager's placements.  Under the fake process
+    group the collectives do nothing, so values are compared for the Partial
+    gradient only (same collectives as eager); the gloo test compares both."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+    leaves = [x, *block.parameters()]
+    partial, replicate = _downstream([Partial()]), _downstream([Replicate()])
+    eager = {}
+    for down in (partial, replicate):
+        down(block(x)).backward()
+        eager[down] = _grads(*leaves)
+        _clear(*leaves)
+
+    backend, seen = _recording("aot_eager")
+    f = torch.compile(block, backend=backend)
+    for _ in range(2):
+        partial(f(x)).backward()
+        got = _grads(*leaves)
+        _same(eager[partial], got)
+        assert [g[0] for g in got] == [g[0] for g in eager[partial]]
+        _clear(*leaves)
+        (border,) = seen
+        assert list(border.variants) == [((Partial(),),)]
+    replicate(f(x)).backward()
+    assert list(border.variants) == [((Partial(),),), ((Replicate(),),)]
+    assert border.variants[((Replicate(),),)] is None  # converted, not compiled
+    assert [g[0] for g in _grads(*leaves)] == [g[0] for g in eager[replicate]]
+
+
+def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
+    """A block of DTensor ops (``_col_row``: its weights outside any region):
+    traced for Partial its backward gathers both weights and reduce-scatters,
+    more than converting a Partial gradient to Replicate (one all_reduce), so
+    the border compiles Replicate only and converts a Partial gradient, never
+    compiling for it.  The weights' gradients keep eager's placements: ``w2``'s
+    is Partial in eager, and is made so from the Replicate backward's
+    ``Shard(0)`` (a local step)."""
     x = _dt((8, 16), [Replicate()], 0)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
-
-    def partial(y):
-        # the gradient reaching y is Partial, as after the next block's region
-        return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
-
-    def replicate(y):
-        return (y.to_local() ** 2).sum()
-
-    eager = {}
-    for down in (partial, replicate):
-        down(_col_row(x, w1, w2)).backward()
-        eager[down] = _grads(x, w1, w2)
-        _clear(x, w1, w2)
+    partial = _downstream([Partial()])
+    partial(_col_row(x, w1, w2)).backward()
+    eager = _grads(x, w1, w2)
+    _clear(x, w1, w2)
+    assert eager[2][0] == (Partial(),)
 
     backend, seen = _recording("aot_eager")
     f = torch.compile(_col_row, backend=backend)
     for _ in range(2):
         partial(f(x, w1, w2)).backward()
-        got = _grads(x, w1, w2)
-        _same(eager[partial], got)
-        _clear(x, w1, w2)
         (border,) = seen
-        assert list(border.variants) == [((Partial(),),)]
-        # eager gives x a Partial gradient; so does the border (AOTAutograd's
-        # runtime too); w2's gradient is Partial as in eager, its local
-        # tensor the global shape (Note: [A gradient wider than its input])
-        assert eager[partial][0][0] == got[0][0] == (Partial(),)
-        assert eager[partial][2][0] == got[2][0] == (Partial(),)
-    replicate(f(x, w1, w2)).backward()
-    assert list(border.variants) == [((Partial(),),), ((Replicate(),),)]
-    assert border.variants[((Replicate(),),)] is None  # converted, not compiled
-    assert [g[0] for g in _grads(x, w1, w2)] == [g[0] for g in eager[replicate]]
+        assert border.plan.converted == (((Partial(),),),)
+        assert border.variants == {((Replicate(),),): border.first, ((Partial(),),): None}
+        assert [g[0] for g in _grads(x, w1, w2)] == [g[0] for g in eager]
+        _clear(x, w1, w2)
 
 
 def _reductions_in_backward(loss) -> int:
