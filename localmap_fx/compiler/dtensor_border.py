@@ -495,9 +495,11 @@ class _Backward:
     wraps: tuple[tuple[int, int, Any], ...]
     # the gradients must first be redistributed to the first variant's placements
     redistribute: bool
-    # per input gradient then redistributed: (input index, the placements the
-    # arriving tangents give it) (Note: [The gradient a stack sends back])
-    regrad: tuple[tuple[int, Placements], ...] = ()
+    # with redistribute: per DTensor output, (output index, the spec its gradient is turned into)
+    to_first: tuple[tuple[int, Any], ...] = ()
+    # per input gradient then redistributed: input index -> the spec the
+    # arriving tangents give it in eager (Note: [The gradient a stack sends back])
+    regrad: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool) -> _Backward:
@@ -600,18 +602,25 @@ class DTensorBorder:
             variant = self.variant_for(tangents)
             bw = _Backward.of(variant if variant is not None else self.first, self.inputs, self.wide,
                               redistribute=variant is None)
-            wanted = self._traced_grads.get(tangents)
-            if variant is None and wanted is not None:
-                traced = [None if s is None else tuple(s.placements) for s in self.first.in_grad_specs]
-                bw = dataclasses.replace(bw, regrad=tuple(
-                    (i, want) for i, (want, got) in enumerate(zip(wanted, traced))
-                    if want is not None and got is not None and want != got))
+            if variant is None:
+                bw = dataclasses.replace(bw, **self._conversions(tangents))
             self._backwards[tangents] = bw
         if len(self._seen) >= _SEEN:
             # fresh placements every step (a gradient built anew each time): start over
             self._seen.clear()
         self._seen[key] = (tuple(arrived), bw)
         return bw
+
+    def _conversions(self, tangents: tuple) -> dict:
+        """A converted gradient's specs, built once (Note: [The gradient a stack
+        sends back]): the first variant's tangents, and the input gradients
+        whose placements eager gives otherwise for ``tangents``."""
+        to_first = tuple((i, _respec(s.spec, t)) for i, (s, t) in enumerate(zip(self.outputs, self.first.tangents))
+                         if s.spec is not None and t is not None)
+        wanted = self._traced_grads.get(tangents, ())
+        regrad = {i: _respec(got, want) for i, (want, got) in enumerate(zip(wanted, self.first.in_grad_specs))
+                  if want is not None and got is not None and want != tuple(got.placements)}
+        return {"to_first": to_first, "regrad": regrad}
 
     def variant_for(self, tangents: tuple) -> _Variant | None:
         """The variant for gradients in ``tangents`` (compiled at the first call), None if unusable."""
@@ -801,10 +810,12 @@ class _BorderFunction(torch.autograd.Function):
         bw = border.backward_for(grads)
         if bw.redistribute:
             # Note: [A backward per tangent placement]: AOTAutograd's way
-            first = border.first.tangents
-            grads = tuple(g if g is None or border.outputs[i].spec is None or g.placements == first[i]
-                          else _to_placements(g, first[i])  # type: ignore[arg-type]  # a DTensor output's
-                          for i, g in enumerate(grads))
+            converted = list(grads)
+            for i, spec in bw.to_first:
+                g = converted[i]
+                if g is not None and g.placements != spec.placements:
+                    converted[i] = _convert(g._local_tensor, g._spec, spec)
+            grads = tuple(converted)
         layer = bw.variant.layer
         if layer.donates_buffers and get_current_graph_task_keep_graph():
             raise RuntimeError(_DONATED)
@@ -834,23 +845,25 @@ class _BorderFunction(torch.autograd.Function):
             if g is not None:
                 if spec is None:
                     raise AssertionError("a DTensor input got a gradient its trace did not record")
-                out[i] = _new_dtensor(g, spec)
-        for i, placements in bw.regrad:
-            if out[i] is not None:
-                out[i] = _to_placements(out[i], placements)
+                target = bw.regrad.get(i) if bw.regrad else None
+                out[i] = _new_dtensor(g, spec) if target is None else _convert(g, spec, target)
         return (None, *out[:n])
 
 
-def _to_placements(g: DTensor, placements: Placements) -> DTensor:
-    """``g`` redistributed to ``placements``; Replicate to Partial too, which
-    ``DTensor.redistribute`` refuses and DTensor's backward does (a local
-    division for a sum: Note: [The gradient a stack sends back])."""
-    if not _converts_locally(g.placements, placements):
-        return g.redistribute(g.device_mesh, placements)
+def _respec(spec: Any, placements: Placements) -> Any:
+    """``spec`` with other placements (same mesh, global shape, stride, dtype)."""
+    meta = spec.tensor_meta
+    return _spec(spec.mesh, placements, meta.shape, meta.stride, meta.dtype)
+
+
+def _convert(local: torch.Tensor, spec: Any, target: Any) -> DTensor:
+    """The DTensor of ``local`` (in ``spec``) redistributed to ``target``, as
+    DTensor's own backward redistributes: Replicate to Partial too, which
+    ``DTensor.redistribute`` refuses (a local division for a sum), and
+    without DTensor.redistribute's autograd and argument handling."""
     from .._torch_compat import redistribute_local_tensor
 
-    target = _spec(g.device_mesh, placements, g.shape, g.stride(), g.dtype)
-    return _new_dtensor(redistribute_local_tensor(g._local_tensor, g._spec, target), target)
+    return _new_dtensor(redistribute_local_tensor(local, spec, target), target)
 
 
 def _new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
