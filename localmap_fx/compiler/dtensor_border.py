@@ -431,20 +431,20 @@ class _TangentPlan:
         return out + "".join(f"; convert {_placements_text(t)}" for t in self.converted)
 
 
-def _traced(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
-            outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple[list, int]:
+def _traced(trace: CompileOne, gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
+            inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
+            wide: Sequence[int]) -> tuple[list, int]:
     """The input-gradient records and the number of collectives (forward and
-    backward) of the wrapper traced for ``tangents``, without Inductor."""
+    backward) of the wrapper traced for ``tangents`` by ``trace`` (no Inductor)."""
     from ..graph_utils import is_collective
-    from .inner import trace_only
 
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    traced, _ = compile_with_metadata(trace_only, wrapped, list(local_inputs), True, fake_mode)
+    traced, _ = compile_with_metadata(trace, wrapped, list(local_inputs), True, fake_mode)
     return records, sum(is_collective(n) for a in traced.aot_graphs for n in a.graph.graph.nodes)
 
 
-def _plan_tangents(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
+def _plan_tangents(trace: CompileOne | None, gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
                    inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
                    wide: Sequence[int]) -> _TangentPlan:
     """The :class:`_TangentPlan` (Note: [The gradient a stack sends back]).
@@ -456,13 +456,14 @@ def _plan_tangents(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: A
     one with fewer collectives wins, counting one collective per output a
     default variant must convert the other's gradient back with (Partial to
     Replicate: an all_reduce).  A tie goes to the chained placements (their
-    reductions run in compiled code).
+    reductions run in compiled code).  Without ``trace`` (``inner.trace_only``:
+    AOTAutograd alone), the default.
     """
     default = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
     chained = _chained(inputs, outputs, example_inputs)
-    if not chained:
+    if not chained or trace is None:
         return _TangentPlan(default)
-    records, default_cost = _traced(gm, local_inputs, fake_mode, inputs, outputs, default, wide)
+    records, default_cost = _traced(trace, gm, local_inputs, fake_mode, inputs, outputs, default, wide)
 
     def grads(recs: list) -> tuple:
         return tuple(tuple(r[0].placements) if r else None for r in recs)
@@ -474,7 +475,7 @@ def _plan_tangents(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: A
             alt[o] = tuple(rec[0].placements)
     if tuple(alt) == default:
         return _TangentPlan(default)
-    alt_records, alt_cost = _traced(gm, local_inputs, fake_mode, inputs, outputs, tuple(alt), wide)
+    alt_records, alt_cost = _traced(trace, gm, local_inputs, fake_mode, inputs, outputs, tuple(alt), wide)
     if alt_cost <= default_cost + sum(a != d for a, d in zip(alt, default)):
         return _TangentPlan(tuple(alt), traced=((default, grads(records)),))
     return _TangentPlan(default, traced=((tuple(alt), grads(alt_records)),), converted=(tuple(alt),))
@@ -703,11 +704,13 @@ def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
 
 
 def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                   compile_one: CompileOne) -> DTensorBorder | Refusal:
+                   compile_one: CompileOne, trace: CompileOne | None = None) -> DTensorBorder | Refusal:
     """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
 
     ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
-    (it must keep the AOT graphs: inductor or aot_eager).
+    (it must keep the AOT graphs: inductor or aot_eager); ``trace``,
+    ``inner.trace_only``, plans the tangents (Note: [The gradient a stack
+    sends back]; without it, the defaults).
     """
     from .._torch_compat import detect_fake_mode
     from ..graph_utils import node_value
@@ -745,7 +748,7 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     local_inputs = _local_examples(example_inputs, inputs, fake_mode)
     with fake_mode:
         local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
-    plan = _plan_tangents(gm, local_inputs, fake_mode, inputs, outputs, example_inputs, wide)
+    plan = _plan_tangents(trace, gm, local_inputs, fake_mode, inputs, outputs, example_inputs, wide)
     first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide)
     if isinstance(first, Refusal):
         return first
