@@ -560,7 +560,8 @@ class DTensorBorder:
         seen = ", ".join(
             f"{_placements_text(t)}{'' if v is not None else ' (redistributed)'}" for t, v in self.variants.items())
         return f"DTensor border: {sum(s.spec is not None for s in self.inputs)} DTensor inputs, " \
-               f"{sum(s.spec is not None for s in self.outputs)} DTensor outputs; backward for tangents {seen}"
+               f"{sum(s.spec is not None for s in self.outputs)} DTensor outputs; backward for tangents {seen} " \
+               f"(planned: {self.plan.text()})"
 
     def __call__(self, *args: Any) -> tuple:
         for i, placements, shape in self._in_checks:

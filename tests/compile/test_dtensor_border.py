@@ -153,6 +153,7 @@ def test_block_is_compiled_for_the_gradient_the_next_block_sends():
         _clear(*leaves)
         (border,) = seen
         assert list(border.variants) == [((Partial(),),)]
+        assert border.plan.text() == "compile (P(sum))"
     replicate(f(x)).backward()
     assert list(border.variants) == [((Partial(),),), ((Replicate(),),)]
     assert border.variants[((Replicate(),),)] is None  # converted, not compiled
@@ -182,6 +183,7 @@ def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
         partial(f(x, w1, w2)).backward()
         (border,) = seen
         assert border.plan.converted == (((Partial(),),),)
+        assert border.plan.text() == "compile (R); convert (P(sum))"
         assert border.variants == {((Replicate(),),): border.first, ((Partial(),),): None}
         assert [g[0] for g in _grads(x, w1, w2)] == [g[0] for g in eager]
         _clear(x, w1, w2)
