@@ -74,22 +74,27 @@ Note: [The gradient a stack sends back]
     output feeds an input of the same spec (:func:`_chained`), the border
     first traces the wrapper with the default tangents through AOTAutograd
     alone (``inner.trace_only``: no Inductor) and reads the placements that
-    input's gradient gets; if the default converts to them without
+    input's gradient gets.  If the default converts to them without
     communication (Replicate to Partial: DTensor's backward divides by the
-    group size), the one compiled variant is for those placements.  A
-    Replicate gradient is then converted, not compiled for (AOTAutograd
-    coerces a tangent to its traced placements the same way), and the input
-    gradients whose placements the trace saw differ for the default
-    tangents are redistributed to them, so every gradient keeps the
-    placements eager gives it.  Only the last block pays: one local division
-    and, for a Shard weight whose gradient became Partial, one
-    reduce-scatter.  Values are eager's up to the order of summation (bitwise
-    on 2 gloo ranks for the TP stack under aot_eager, where a sum of two
-    halves is exact)::
+    group size), it traces those too and compiles the one whose graphs have
+    fewer collectives, counting one all_reduce per output for converting
+    Partial back to Replicate (:class:`_TangentPlan`).  The other is
+    converted, never compiled (AOTAutograd coerces a tangent to its traced
+    placements the same way), and the input gradients the trace saw in
+    other placements for it are redistributed to them, so every gradient
+    keeps the placements eager gives it.  The TP block compiles Partial, and
+    only its last block pays (a local division); the attention block
+    compiles Replicate (for Partial its backward gathers both weights and
+    reduce-scatters) and each block converts its Partial gradient with one
+    all_reduce, as before, now without a wasted compile.  Values are eager's
+    up to the order of summation (bitwise on 2 gloo ranks for the TP stack
+    under aot_eager, where a sum of two halves is exact)::
 
-        default:    compile (R), then (P) at the first inner block's backward
-        predicted:  trace (R) [no Inductor] -> x's gradient is P -> compile (P);
-                    the last block's R gradient: R -> P locally
+        before:  compile (R), then (P) at the first inner block's backward
+        TP:      trace (R) -> x's gradient is P -> trace (P): 1 collective against 1 + 1
+                 -> compile (P); the last block's R gradient: R -> P locally
+        attn:    trace (R), trace (P): 4 collectives against 1 + 1
+                 -> compile (R); P -> R (all_reduce), wo's gradient S(0) -> P as eager
 
 Note: [A gradient wider than its input]
     Eager DTensor gives a Shard parameter a Partial gradient when the op that
@@ -525,8 +530,8 @@ class DTensorBorder:
         # and what the compiled forward is given there (never read)
         self.wide = wide
         self._wide_values = wide_values
-        # Note: [The gradient a stack sends back]: the default tangents, when
-        # first is compiled for others, and the input gradients' placements they give
+        # Note: [The gradient a stack sends back]: which tangents first is
+        # compiled for, and what the border knows of the others
         self.plan = plan if plan is not None else _TangentPlan(first.tangents)
         # Note: [The gradient a stack sends back]: input-gradient placements traced for other tangents
         self._traced_grads = dict(self.plan.traced)
