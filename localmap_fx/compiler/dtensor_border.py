@@ -91,7 +91,7 @@ Note: [The gradient a stack sends back]
     under aot_eager, where a sum of two halves is exact)::
 
         before:  compile (R), then (P) at the first inner block's backward
-        TP:      trace (R) -> x's gradient is P -> trace (P): 1 collective against 1 + 1
+        TP:      trace (R) -> x's gradient is P -> trace (P): 2 collectives against 1 + 1
                  -> compile (P); the last block's R gradient: R -> P locally
         attn:    trace (R), trace (P): 4 collectives against 1 + 1
                  -> compile (R); P -> R (all_reduce), wo's gradient S(0) -> P as eager
