@@ -595,3 +595,33 @@ def test_regional_stack_on_gloo_equals_eager_bitwise_under_aot_eager():
     bad = {(r, k): v for r, rep in enumerate(results) for k, v in rep.items() if not v[0]}
     assert not bad, bad
     assert len(results[0]) == 2 * 2 * (1 + 1 + 2 * 5)
+
+
+def test_converts_locally_is_replicate_to_partial_or_shard():
+    from localmap_fx.compiler.dtensor_border import _converts_locally
+
+    R, P, S0 = Replicate(), Partial(), Shard(0)
+    assert _converts_locally((R,), (P,)) and _converts_locally((R,), (S0,)) and _converts_locally((P,), (P,))
+    # these need communication: a reduction or a gather
+    assert not _converts_locally((P,), (R,)) and not _converts_locally((S0,), (R,))
+    assert not _converts_locally((R,), (R, R))  # another mesh rank
+
+
+def test_chained_finds_the_one_input_an_output_would_feed():
+    """A stack's block: the output has the spec of exactly one input that
+    requires grad; two such inputs, or one without grad, chain nothing."""
+    from localmap_fx.compiler.dtensor_border import _chained, _Slot
+
+    x = _dt((8, 16), [Replicate()], 0)
+    w = _dt((16, 32), [Shard(1)], 1)
+    y = _dt((8, 16), [Replicate()], 2)
+    frozen = _dt((8, 16), [Replicate()], 3, requires_grad=False)
+
+    def slot(t):
+        return _Slot(t._spec, tuple(t.shape))
+
+    out = [slot(x)]
+    assert _chained([slot(w), slot(x)], out, [w, x]) == {0: 1}
+    assert _chained([slot(x), slot(y)], out, [x, y]) == {}  # ambiguous
+    assert _chained([slot(frozen)], out, [frozen]) == {}
+    assert _chained([slot(x)], [_Slot(None)], [x]) == {}  # a plain output
