@@ -443,9 +443,7 @@ def _traced(trace: CompileOne, gm: fx.GraphModule, local_inputs: Sequence[Any], 
     backward) of the wrapper traced for ``tangents`` by ``trace`` (no Inductor)."""
     from ..graph_utils import is_collective
 
-    records: list[list] = [[] for _ in inputs]
-    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    traced, _ = compile_with_metadata(trace, wrapped, list(local_inputs), True, fake_mode)
+    traced, _, records = _wrapped_compile(trace, gm, local_inputs, fake_mode, inputs, outputs, tangents, wide)
     return records, sum(is_collective(n) for a in traced.aot_graphs for n in a.graph.graph.nodes)
 
 
@@ -533,8 +531,6 @@ class DTensorBorder:
         # Note: [The gradient a stack sends back]: which tangents first is
         # compiled for, and what the border knows of the others
         self.plan = plan if plan is not None else _TangentPlan(first.tangents)
-        # Note: [The gradient a stack sends back]: input-gradient placements traced for other tangents
-        self._traced_grads = dict(self.plan.traced)
         self._fake_mode = fake_mode
         self._compile_one = compile_one
         self.inputs = tuple(inputs)
@@ -543,8 +539,6 @@ class DTensorBorder:
         # tangent placements -> a variant whose backward reads first's saved values, or None
         # (its forward differs: such gradients are redistributed to first's placements)
         self.variants: dict[tuple, _Variant | None] = {first.tangents: first}
-        # Note: [The gradient a stack sends back]: placements a trace showed cost more compiled
-        self._converted = frozenset(self.plan.converted)
         # Note: [The border's hot path]: everything a call reads, built once
         self._in_checks = tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs)
                                 if s.spec is not None)
@@ -602,7 +596,7 @@ class DTensorBorder:
         tangents = tuple(seen)
         bw = self._backwards.get(tangents)
         if bw is None:
-            if tangents in self._converted or tangents != self.first.tangents and all(
+            if tangents in self.plan.converted or tangents != self.first.tangents and all(
                     a is None or t is None or _converts_locally(a, t) for a, t in zip(tangents, self.first.tangents)):
                 # Note: [The gradient a stack sends back]: converted, not compiled for
                 self.variants.setdefault(tangents, None)
@@ -624,7 +618,7 @@ class DTensorBorder:
         whose placements eager gives otherwise for ``tangents``."""
         to_first = tuple((i, _respec(s.spec, t)) for i, (s, t) in enumerate(zip(self.outputs, self.first.tangents))
                          if s.spec is not None and t is not None)
-        wanted = self._traced_grads.get(tangents, ())
+        wanted = dict(self.plan.traced).get(tangents, ())
         regrad = {i: _respec(got, want) for i, (want, got) in enumerate(zip(wanted, self.first.in_grad_specs))
                   if want is not None and got is not None and want != tuple(got.placements)}
         return {"to_first": to_first, "regrad": regrad}
@@ -666,12 +660,22 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
     return out
 
 
-def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
+def _wrapped_compile(compile_one: CompileOne, gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-                     wide: Sequence[int] = ()) -> _Variant | Refusal:
+                     wide: Sequence[int]) -> tuple[Any, Any, list[list]]:
+    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs:
+    (compiled, forward metadata, per input what its gradient's trace recorded)."""
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
     compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode)
+    return compiled, fw_metadata, records
+
+
+def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
+                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
+                     wide: Sequence[int] = ()) -> _Variant | Refusal:
+    compiled, fw_metadata, records = _wrapped_compile(compile_one, gm, local_inputs, fake_mode, inputs, outputs,
+                                                      tangents, wide)
     layer = compiled_layer(compiled.aot_graphs, fw_metadata)
     if isinstance(layer, Refusal):
         return layer

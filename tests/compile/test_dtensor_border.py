@@ -262,9 +262,7 @@ def test_gradient_redistributed_when_no_backward_fits():
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
 
-    def downstream(y):
-        return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
-
+    downstream = _downstream([Partial()])
     backend, _ = _recording("aot_eager", lean_border=False)
     downstream(torch.compile(_col_row, backend=backend)(x, w1, w2)).backward()
     aot = _grads(x, w1, w2)
@@ -292,12 +290,7 @@ def test_gradients_alternating_placements_pick_their_backward_each_call():
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
 
-    def partial(y):
-        return (y.to_local(grad_placements=[Partial()]) ** 2).sum()
-
-    def replicate(y):
-        return (y.to_local() ** 2).sum()
-
+    partial, replicate = _downstream([Partial()]), _downstream([Replicate()])
     eager = {}
     for down in (partial, replicate):
         down(_col_row(x, w1, w2)).backward()
