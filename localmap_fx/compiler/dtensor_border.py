@@ -436,52 +436,127 @@ class _TangentPlan:
         return out + "".join(f"; convert {_placements_text(t)}" for t in self.converted)
 
 
-def _traced(trace: CompileOne, gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
-            inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-            wide: Sequence[int]) -> tuple[list, int]:
-    """The input-gradient records and the number of collectives (forward and
-    backward) of the wrapper traced for ``tangents`` by ``trace`` (no Inductor)."""
+class _Rejected(Exception):
+    """Raised from a variant's joint-graph reader: the plan will not have it
+    compiled (Note: [The gradient a stack sends back]).  Nothing has been
+    generated yet; the compile unwinds."""
+
+
+def _joint_collectives(joint: fx.Graph) -> tuple[int, int]:
+    """(collectives, of them forward ones) of an AOTAutograd joint graph.
+
+    The joint returns the forward's outputs, then one gradient per primal
+    input; a forward collective is one those outputs need (a weight gathered
+    only for its gradient is backward work, though it reads no tangent).  A
+    joint of another shape counts none as forward.
+    """
     from ..graph_utils import is_collective
 
-    traced, _, records = _wrapped_compile(trace, gm, local_inputs, fake_mode, inputs, outputs, tangents, wide)
-    return records, sum(is_collective(n) for a in traced.aot_graphs for n in a.graph.graph.nodes)
+    collectives = [n for n in joint.nodes if is_collective(n)]
+    n_primals = sum(1 for n in joint.find_nodes(op="placeholder") if n.name.startswith("primals"))
+    outs = next(n for n in reversed(joint.nodes) if n.op == "output").args[0]
+    if not isinstance(outs, (list, tuple)) or len(outs) < n_primals:
+        return len(collectives), 0
+    needed: set[fx.Node] = set()
+    todo = [o for o in outs[:len(outs) - n_primals] if isinstance(o, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    return len(collectives), sum(n in needed for n in collectives)
 
 
-def _plan_tangents(trace: CompileOne | None, gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
-                   inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
-                   wide: Sequence[int]) -> _TangentPlan:
-    """The :class:`_TangentPlan` (Note: [The gradient a stack sends back]).
+def _guess(default: tuple, chained: dict[int, int]) -> tuple:
+    """The tangents a stack's inner blocks are guessed to receive: a chained
+    output's Replicate as Partial, the gradient a Replicate input gets where
+    per-shard code reads it (its local gradients are partial sums)."""
+    from torch.distributed.tensor import Partial
+
+    return tuple(tuple(Partial() if p.is_replicate() else p for p in d) if o in chained and d is not None else d
+                 for o, d in enumerate(default))
+
+
+def _grads(records: Sequence[list]) -> tuple:
+    """Per input, the placements its gradient got in a trace (None: no gradient)."""
+    return tuple(tuple(r[0].placements) if r else None for r in records)
+
+
+def _sends(records: Sequence[list], tangents: tuple, chained: dict[int, int], default: tuple) -> bool:
+    """Whether each chained input's gradient has the placements ``tangents``
+    gives its output where they differ from the default (a stack of such
+    blocks then sends each block what it was compiled for)."""
+    return all(records[i] and not records[i][1] and tuple(records[i][0].placements) == tangents[o]
+               for o, i in chained.items() if tangents[o] != default[o])
+
+
+def _eager_grads(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
+                 outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
+    """:func:`_grads` for ``tangents`` from eager DTensor itself: the wrapper
+    run forward and backward on the fake examples (no trace, nothing compiled)."""
+    records: list[list] = [[] for _ in inputs]
+    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
+    with fake_mode, torch.enable_grad():
+        outs = wrapped(*local_inputs)
+        pairs = [(o, torch.zeros_like(o)) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        diff = [t for t in local_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True)
+    return _grads(records)
+
+
+def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
+                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
+                     wide: Sequence[int]) -> tuple[_Variant | Refusal, _TangentPlan]:
+    """The first variant and the :class:`_TangentPlan` (Note: [The gradient a stack sends back]).
 
     An output that feeds an input of the same spec in the next call (a
-    stack's block) will get that input's gradient: when its placements
-    differ from the default and the default converts to them locally
-    (Replicate to Partial), the two are traced (AOTAutograd alone) and the
-    one with fewer collectives wins, counting one collective per output a
-    default variant must convert the other's gradient back with (Partial to
-    Replicate: an all_reduce).  A tie goes to the chained placements (their
-    reductions run in compiled code).  Without ``trace`` (``inner.trace_only``:
-    AOTAutograd alone), the default.
+    stack's block) is compiled for the guessed tangents (:func:`_guess`) when
+    its joint graph shows they are a fixed point and cost at most one
+    collective per converted output more than the forward's (no default
+    variant could cost less).  Otherwise the default is compiled, and the
+    guess only if the default's joint graph shows it costs more; a loser is
+    stopped at its joint graph, before Inductor generates any code.
     """
     default = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
     chained = _chained(inputs, outputs, example_inputs)
-    if not chained or trace is None:
-        return _TangentPlan(default)
-    records, default_cost = _traced(trace, gm, local_inputs, fake_mode, inputs, outputs, default, wide)
+    guess = _guess(default, chained)
 
-    def grads(recs: list) -> tuple:
-        return tuple(tuple(r[0].placements) if r else None for r in recs)
+    def compile_for(tangents: tuple, judge: Callable | None = None) -> _Variant | Refusal:
+        return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents, wide, judge)
 
-    alt = list(default)
-    for o, i in chained.items():
-        rec, d = records[i], default[o]
-        if rec and not rec[1] and d is not None and _converts_locally(d, tuple(rec[0].placements)):
-            alt[o] = tuple(rec[0].placements)
-    if tuple(alt) == default:
-        return _TangentPlan(default)
-    alt_records, alt_cost = _traced(trace, gm, local_inputs, fake_mode, inputs, outputs, tuple(alt), wide)
-    if alt_cost <= default_cost + sum(a != d for a, d in zip(alt, default)):
-        return _TangentPlan(tuple(alt), traced=((default, grads(records)),))
-    return _TangentPlan(default, traced=((tuple(alt), grads(alt_records)),), converted=(tuple(alt),))
+    if guess == default:
+        return compile_for(default), _TangentPlan(default)
+    changed = sum(g != d for g, d in zip(guess, default))
+    seen: dict[str, Any] = {}
+
+    def judge_guess(joint: fx.Graph, records: list[list]) -> None:
+        total, forward = _joint_collectives(joint)
+        seen["guess"] = (total, _sends(records, guess, chained, default), _grads(records))
+        if not (seen["guess"][1] and total <= forward + changed):
+            raise _Rejected
+
+    try:
+        first = compile_for(guess, judge_guess)
+        return first, _TangentPlan(guess, traced=(
+            (default, _eager_grads(gm, local_inputs, fake_mode, inputs, outputs, default, wide)),))
+    except _Rejected:
+        pass
+    guess_total, guess_sent, guess_grads = seen["guess"]
+
+    def judge_default(joint: fx.Graph, records: list[list]) -> None:
+        total, _ = _joint_collectives(joint)
+        seen["default"] = (total, _grads(records))
+        # the guess wins after all when a default gradient arrives only at
+        # the last block and converts to it there (the default sends it)
+        if guess_sent and _sends(records, guess, chained, default) and guess_total <= total + changed:
+            raise _Rejected
+
+    try:
+        first = compile_for(default, judge_default)
+    except _Rejected:
+        return compile_for(guess), _TangentPlan(guess, traced=((default, seen["default"][1]),))
+    costs_more = guess_sent and guess_total > seen["default"][0] + changed
+    return first, _TangentPlan(default, traced=((guess, guess_grads),), converted=(guess,) if costs_more else ())
 
 
 _SEEN = 16  # identities of arrived placements remembered per border
@@ -660,22 +735,18 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
     return out
 
 
-def _wrapped_compile(compile_one: CompileOne, gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
-                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-                     wide: Sequence[int]) -> tuple[Any, Any, list[list]]:
-    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs:
-    (compiled, forward metadata, per input what its gradient's trace recorded)."""
-    records: list[list] = [[] for _ in inputs]
-    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode)
-    return compiled, fw_metadata, records
-
-
 def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-                     wide: Sequence[int] = ()) -> _Variant | Refusal:
-    compiled, fw_metadata, records = _wrapped_compile(compile_one, gm, local_inputs, fake_mode, inputs, outputs,
-                                                      tangents, wide)
+                     wide: Sequence[int] = (), judge: Callable | None = None) -> _Variant | Refusal:
+    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its
+    AOT graphs; ``judge(joint_graph, records)`` reads the joint graph and what
+    each input's gradient recorded while it was traced (it may raise
+    :class:`_Rejected`)."""
+    records: list[list] = [[] for _ in inputs]
+    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
+    on_joint = None if judge is None else (lambda joint: judge(joint, records))
+    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode,
+                                                  on_joint)
     layer = compiled_layer(compiled.aot_graphs, fw_metadata)
     if isinstance(layer, Refusal):
         return layer
@@ -714,13 +785,12 @@ def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
 
 
 def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                   compile_one: CompileOne, trace: CompileOne | None = None) -> DTensorBorder | Refusal:
+                   compile_one: CompileOne) -> DTensorBorder | Refusal:
     """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
 
     ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
-    (it must keep the AOT graphs: inductor or aot_eager); ``trace``,
-    ``inner.trace_only``, plans the tangents (Note: [The gradient a stack
-    sends back]; without it, the defaults).
+    (it must keep the AOT graphs: inductor or aot_eager, and read their
+    joint graphs: Note: [The gradient a stack sends back]).
     """
     from .._torch_compat import detect_fake_mode
     from ..graph_utils import node_value
@@ -758,8 +828,7 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     local_inputs = _local_examples(example_inputs, inputs, fake_mode)
     with fake_mode:
         local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
-    plan = _plan_tangents(trace, gm, local_inputs, fake_mode, inputs, outputs, example_inputs, wide)
-    first = _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide)
+    first, plan = _compile_planned(gm, local_inputs, fake_mode, compile_one, inputs, outputs, example_inputs, wide)
     if isinstance(first, Refusal):
         return first
     return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first, wide,

@@ -9,6 +9,9 @@ compile's :class:`~localmap_fx.compiler.observe.Observer`.
 callable, the forward and backward AOT graphs with their compiled callables
 (:class:`AotGraph`), and compiles the backward at once (not at the first
 backward call): :mod:`localmap_fx.layer_sharing.runtime` calls them directly.
+``on_joint`` is called with AOTAutograd's joint graph before it is
+partitioned (inductor and aot_eager); it may raise to stop the compile
+before any code is generated (the lean border's tangent plan does).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.fx as fx
 from .observe import Observer
 from .options import INNER_COMPILERS, BackendOptions
 
-__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "inner_compiler", "trace_only"]
+__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "OnJoint", "inner_compiler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,21 +49,25 @@ class Compiled:
 # AOTAutograd hands its graphs to callbacks; the compile function appends
 # them here (None: not asked for)
 Kept = list[AotGraph] | None
-# compile_one(gm, example_inputs, aot_graphs=False) -> Compiled
+# compile_one(gm, example_inputs, aot_graphs=False, on_joint=None) -> Compiled
 CompileOne = Callable[..., Compiled]
+# on_joint(joint_graph): reads AOTAutograd's joint graph, changes nothing
+OnJoint = Callable[[fx.Graph], None]
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-           keep: Kept = None):
+           keep: Kept = None, on_joint: OnJoint | None = None):
+    if on_joint is not None:
+        raise ValueError("the eager inner compiler traces no joint graph to read")
     return gm.forward
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-               keep: Kept = None):
+               keep: Kept = None, on_joint: OnJoint | None = None):
     import torch
     from functorch.compile import make_boxed_func
 
-    from .._torch_compat import aot_module_simplified
+    from .._torch_compat import aot_module_simplified, default_partition
 
     def recorder(kind: str):
         # Note: [A lazy backward compile is no frame for Dynamo]
@@ -77,17 +84,42 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
         return compile_graph
 
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        if on_joint is not None:
+            on_joint(joint.graph)
+        return default_partition(joint, joint_inputs, **kwargs)
+
     with _backward_now(keep):
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward")
+            gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
+            partition_fn=partition,
         )
 
 
+def _joint_reader(on_joint: OnJoint):
+    """``on_joint`` as an Inductor joint pass, run before Inductor's own (a
+    compile it stops costs no pattern matching, and it reads the joint as
+    aot_eager's partitioner gets it).  It changes nothing, so one uuid
+    serves every graph in Inductor's cache key."""
+    from .._torch_compat import CustomGraphPass
+
+    class JointReader(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            on_joint(graph)
+
+        def uuid(self) -> str:
+            return "localmap_fx.joint_reader"
+
+    return JointReader()
+
+
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-              keep: Kept = None):
+              keep: Kept = None, on_joint: OnJoint | None = None):
+    import contextlib
+
     import torch
 
-    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
+    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config, inductor_config
     from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
     from . import cache_keys
@@ -116,20 +148,21 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys
                           else (gm, list(example_inputs), ()))
     before = cache_keys.CacheCounts.now()
+    reading = contextlib.nullcontext() if on_joint is None else inductor_config.patch(
+        joint_custom_pre_pass=(_joint_reader(on_joint), *_passes(inductor_config.joint_custom_pre_pass)))
     with _backward_now(keep), functorch_config.patch(
             enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
-            cache_keys.marked_cacheable(bool(lifted)):
+            cache_keys.marked_cacheable(bool(lifted)), reading:
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 
 
-def trace_only(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
-    """AOTAutograd's trace of ``gm``, compiled by nothing (aot_eager, observed by
-    no one): for what tracing records and the graphs it makes (a ``CompileOne``)."""
-    keep: Kept = [] if aot_graphs else None
-    fn = _aot_eager(gm, example_inputs, BackendOptions(inner="aot_eager"), Observer(), keep)
-    return Compiled(fn, tuple(keep) if keep is not None else ())
+def _passes(configured: Any) -> tuple:
+    """A custom-pass setting of Inductor's config as a tuple (the user's, kept after ours)."""
+    if configured is None:
+        return ()
+    return tuple(configured) if isinstance(configured, (list, tuple)) else (configured,)
 
 
 def _backward_now(keep: Kept):
@@ -158,7 +191,8 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     compile_fn = INNER[opts.inner]
     watch = observer if observer is not None else Observer()
 
-    def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False) -> Compiled:
+    def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False,
+                    on_joint: OnJoint | None = None) -> Compiled:
         if not aot_graphs and opts.uses_lean_border:
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
@@ -169,12 +203,12 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
 
             # Note: [Stable keys behind the border] (cache_keys.py)
             lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs, carried_only=True)
-            border = dtensor_border(lifted_gm, inputs, compile_one, trace_only)
+            border = dtensor_border(lifted_gm, inputs, compile_one)
             if isinstance(border, DTensorBorder):
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
-        fn = compile_fn(gm, example_inputs, opts, watch, keep)
+        fn = compile_fn(gm, example_inputs, opts, watch, keep, on_joint)
         return Compiled(fn, tuple(keep) if keep is not None else ())
 
     return compile_one

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from localmap_fx.compiler.dtensor_border import BorderRefused, DTensorBorder, dtensor_border
-from localmap_fx.compiler.inner import inner_compiler, trace_only
+from localmap_fx.compiler.inner import inner_compiler
 from localmap_fx.compiler.options import BackendOptions
 from localmap_fx.compiler.pipeline import compile_graph
 from localmap_fx.layer_sharing.runtime import Refusal, Refused
@@ -48,7 +48,7 @@ def _refusal_of(fn, args, inner="aot_eager"):
 
     def backend(gm, example_inputs):
         compile_one = inner_compiler(BackendOptions(inner=inner, lean_border=False))
-        seen.append(dtensor_border(gm, example_inputs, compile_one, trace_only))
+        seen.append(dtensor_border(gm, example_inputs, compile_one))
         return compile_one(gm, list(example_inputs)).fn
 
     torch.compile(fn, backend=backend)(*args)
@@ -457,7 +457,7 @@ def test_symbolic_sizes_are_refused():
 
     def backend(gm, example_inputs):
         compile_one = inner_compiler(BackendOptions(inner="aot_eager", lean_border=False))
-        seen.append(dtensor_border(gm, example_inputs, compile_one, trace_only))
+        seen.append(dtensor_border(gm, example_inputs, compile_one))
         return compile_one(gm, list(example_inputs)).fn
 
     f = torch.compile(lambda x: x * 2, backend=backend, dynamic=True)
