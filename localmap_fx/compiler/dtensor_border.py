@@ -72,30 +72,38 @@ Note: [The gradient a stack sends back]
     and for the attention block the second could not be used (its forward
     saves other values), so each block ran an eager all_reduce.  So when an
     output feeds an input of the same spec (:func:`_chained`), the border
-    first traces the wrapper with the default tangents through AOTAutograd
-    alone (``inner.trace_only``: no Inductor) and reads the placements that
-    input's gradient gets.  If the default converts to them without
-    communication (Replicate to Partial: DTensor's backward divides by the
-    group size), it traces those too and compiles the one whose graphs have
-    fewer collectives, counting one all_reduce per output for converting
-    Partial back to Replicate (:class:`_TangentPlan`).  The other is
+    guesses that the stack sends Partial (:func:`_guess`) and compiles that,
+    reading AOTAutograd's joint graph before anything is generated (the
+    ``on_joint`` reader of ``compile_one``: before Inductor's joint passes,
+    at aot_eager's partitioner).  The guess is kept when the joint shows it
+    is a fixed point (the chained input's gradient is Partial too:
+    :func:`_sends`) and costs at most one collective per changed output
+    more than its forward (:func:`_joint_collectives`): a default variant
+    cannot cost less than that forward, and converting Partial back to
+    Replicate costs that one all_reduce.  Otherwise the compile is stopped
+    (:class:`_Rejected`), the default is compiled, and its joint is
+    compared with the guess's (if the guess costs no more after all, the
+    default is stopped in turn and the guess compiled).  The loser is
     converted, never compiled (AOTAutograd coerces a tangent to its traced
-    placements the same way), and the input gradients the trace saw in
-    other placements for it are redistributed to them, so every gradient
-    keeps the placements eager gives it.  The TP block compiles Partial, and
-    only its last block pays (a local division); the attention block
-    compiles Replicate (for Partial its backward gathers both weights and
-    reduce-scatters) and each block converts its Partial gradient with one
-    all_reduce, as before, now without a wasted compile.  Values are eager's
-    up to the order of summation (bitwise on 2 gloo ranks for the TP stack
-    under aot_eager, where a sum of two halves is exact)::
+    placements the same way), and the input gradients eager gives for it
+    are redistributed to those placements (:class:`_TangentPlan`'s
+    ``traced``: from the loser's joint trace, or, when the guess won at
+    once, from eager DTensor run on the fake examples, :func:`_eager_grads`),
+    so every gradient keeps the placements eager gives it.  The TP block
+    compiles Partial at once and only its last block pays (a local
+    division); the attention block's Partial backward gathers both weights
+    and reduce-scatters, so that compile is stopped at its joint, Replicate
+    is compiled, and each block converts its Partial gradient with one
+    all_reduce.  Values are eager's up to the order of summation (bitwise on
+    2 gloo ranks for the TP stack under aot_eager, where a sum of two
+    halves is exact)::
 
-        before:  compile (R), then (P) at the first inner block's backward
-        TP:      trace (R) -> x's gradient is P -> trace (P): 2 collectives against 1 + 1
-                 -> compile (P); the last block's R gradient: R -> P locally
-        attn:    trace (R), trace (P): 4 collectives against 1 + 1
-                 -> compile (R); P -> R (all_reduce), wo's gradient S(0) -> P as eager
-
+        first:   compile (R), then (P) at the first inner block's backward
+        then:    trace (R), trace (P) through AOTAutograd alone, compile the cheaper
+        TP:      compile (P): joint 2 collectives, forward 1, x's gradient P -> kept;
+                 the last block's R gradient: R -> P locally
+        attn:    compile (P): joint 4 collectives, forward 1 -> stopped;
+                 compile (R): joint 1 -> kept; P -> R (all_reduce), wo's gradient S(0) -> P as eager
 Note: [A gradient wider than its input]
     Eager DTensor gives a Shard parameter a Partial gradient when the op that
     reads it says so: ``o @ wo`` with ``wo`` Shard(0) and a Partial gradient
@@ -754,6 +762,17 @@ def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
                     _saved_signature(compiled.aot_graphs))
 
 
+def _fake_mode_of(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> Any:
+    """The fake mode of the examples' (local) tensors, else the tracing context's (None outside Dynamo)."""
+    from .._torch_compat import detect_fake_mode
+
+    # the examples' own mode first: a piece's examples are fakes of a mode
+    # other than the tracing context's
+    return next((t.fake_mode for v, s in zip(example_inputs, inputs)
+                 for t in (v._local_tensor if s.spec is not None else v,) if isinstance(t, FakeTensor)),
+                None) or detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
+
+
 def _wide_inputs(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> tuple[int, ...]:
     """The DTensor inputs that require grad and whose local tensor is smaller than
     the DTensor (Note: [A gradient wider than its input])."""
@@ -792,7 +811,6 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     (it must keep the AOT graphs: inductor or aot_eager, and read their
     joint graphs: Note: [The gradient a stack sends back]).
     """
-    from .._torch_compat import detect_fake_mode
     from ..graph_utils import node_value
 
     if not torch.is_grad_enabled():
@@ -817,11 +835,7 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     inputs, outputs = slots
     if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
         return Refusal(BorderRefused.NO_GRAD, "no input requires grad")
-    # the examples' own mode first: a piece's examples are fakes of a mode
-    # other than the tracing context's
-    fake_mode = next((t.fake_mode for v, s in zip(example_inputs, inputs)
-                      for t in (v._local_tensor if s.spec is not None else v,) if isinstance(t, FakeTensor)),
-                     None) or detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
+    fake_mode = _fake_mode_of(example_inputs, inputs)
     if fake_mode is None:
         return Refusal(BorderRefused.NO_FAKE_MODE, "compiled outside Dynamo (no fake mode)")
     wide = _wide_inputs(example_inputs, inputs)

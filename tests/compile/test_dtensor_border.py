@@ -123,10 +123,10 @@ def _downstream(placements):
 
 def test_block_is_compiled_for_the_gradient_the_next_block_sends():
     """A TP block (Replicate in, Replicate out, its weights inside local_map
-    regions): the border traces it for Replicate and for the Partial gradient
-    its input gets, which the next block sends; Partial costs no more
-    collectives, so it is the one compiled (Note: [The gradient a stack sends
-    back]).  A Replicate gradient (the last block's, from the loss) is turned
+    regions): the border compiles the Partial gradient the next block sends;
+    its joint graph shows the input's gradient is Partial too and one
+    collective more than its forward, so it is kept (Note: [The gradient a
+    stack sends back]).  A Replicate gradient (the last block's, from the loss) is turned
     into Partial locally, as DTensor's backward does: nothing is compiled for
     it, and the gradients keep eager's placements.  Under the fake process
     group the collectives do nothing, so values are compared for the Partial
@@ -162,10 +162,10 @@ def test_block_is_compiled_for_the_gradient_the_next_block_sends():
 
 def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
     """A block of DTensor ops (``_col_row``: its weights outside any region):
-    traced for Partial its backward gathers both weights and reduce-scatters,
+    for Partial its joint graph gathers both weights and reduce-scatters,
     more than converting a Partial gradient to Replicate (one all_reduce), so
-    the border compiles Replicate only and converts a Partial gradient, never
-    compiling for it.  The weights' gradients keep eager's placements: ``w2``'s
+    that compile is stopped, the border compiles Replicate only and converts a
+    Partial gradient, never compiling for it.  The weights' gradients keep eager's placements: ``w2``'s
     is Partial in eager, and is made so from the Replicate backward's
     ``Shard(0)`` (a local step)."""
     x = _dt((8, 16), [Replicate()], 0)
@@ -618,3 +618,193 @@ def test_chained_finds_the_one_input_an_output_would_feed():
     assert _chained([slot(x), slot(y)], out, [x, y]) == {}  # ambiguous
     assert _chained([slot(frozen)], out, [frozen]) == {}
     assert _chained([slot(x)], [_Slot(None)], [x]) == {}  # a plain output
+
+
+def _border_inputs(gm, example_inputs):
+    """What dtensor_border builds before compiling: slots, fake mode, the local
+    examples and the inputs with a wide slot (Note: [A gradient wider than its input])."""
+    from localmap_fx.compiler import dtensor_border as border_module
+
+    outs = [n.meta["example_value"] for n in next(iter(gm.graph.find_nodes(op="output"))).args[0]]
+    inputs, outputs = border_module._slots(example_inputs, outs)
+    fake = border_module._fake_mode_of(example_inputs, inputs)
+    local = border_module._local_examples(example_inputs, inputs, fake)
+    wide = border_module._wide_inputs(example_inputs, inputs)
+    with fake:
+        local += [border_module._wide_value(example_inputs[i]).requires_grad_() for i in wide]
+    return inputs, outputs, fake, local, wide
+
+
+def _joint_of(fn, args, tangents):
+    """The aot_eager joint graph of ``fn``'s border wrapper for ``tangents``
+    (per output), and what each input's gradient recorded."""
+    from localmap_fx.compiler import dtensor_border as border_module
+
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        compile_one = inner_compiler(BackendOptions(inner="aot_eager", lean_border=False))
+        inputs, outputs, fake, local, wide = _border_inputs(gm, example_inputs)
+        border_module._compile_variant(gm, local, fake, compile_one, inputs, outputs, tangents, wide,
+                                       judge=lambda joint, records: seen.append((joint, [list(r) for r in records])))
+        return gm.forward
+
+    torch.compile(fn, backend=backend)(*args)
+    return seen[0]
+
+
+def test_joint_collectives_counts_a_gather_for_a_gradient_as_backward():
+    """``_col_row``'s joint for a Partial gradient: the forward's all_reduce,
+    and in the backward two gathers of weights (they read no tangent, but only
+    gradients need them) and a reduce_scatter; for Replicate, the forward's
+    all_reduce alone."""
+    from localmap_fx.compiler.dtensor_border import _joint_collectives
+
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    joint, _ = _joint_of(_col_row, (x, w1, w2), ((Partial(),),))
+    assert _joint_collectives(joint) == (4, 1)
+    joint, _ = _joint_of(_col_row, (x, w1, w2), ((Replicate(),),))
+    assert _joint_collectives(joint) == (1, 1)
+
+
+def test_joint_collectives_of_a_hand_written_joint():
+    """The calling convention read: forward outputs, then one gradient per
+    primal; a graph of another shape counts every collective as backward."""
+    from localmap_fx.compiler.dtensor_border import _joint_collectives
+
+    funcol = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x, w, t = g.placeholder("primals_1"), g.placeholder("primals_2"), g.placeholder("tangents_1")
+    y = g.call_function(funcol.all_reduce.default, (x, "sum", "0"))
+    gathered = g.call_function(funcol.all_gather_into_tensor.default, (w, 2, "0"))
+    gx = g.call_function(torch.ops.aten.mm.default, (t, gathered))
+    g.output([y, gx, None])
+    assert _joint_collectives(g) == (2, 1)
+    g2 = torch.fx.Graph()
+    a = g2.placeholder("primals_1")
+    g2.output(g2.call_function(funcol.all_reduce.default, (a, "sum", "0")))
+    assert _joint_collectives(g2) == (1, 0)
+
+
+def test_guess_makes_a_chained_replicate_partial():
+    from localmap_fx.compiler.dtensor_border import _guess
+
+    R, P, S0 = Replicate(), Partial(), Shard(0)
+    default = ((R,), (S0,), (R,), None)
+    # output 0 feeds an input; 1 is Shard (stays); 2 feeds nothing; 3 is plain
+    assert _guess(default, {0: 0, 1: 1}) == ((P,), (S0,), (R,), None)
+    assert _guess(((S0, R),), {0: 0}) == ((S0, P),)
+    assert _guess(default, {}) == default
+
+
+def test_sends_asks_the_chained_input_for_the_guessed_placements():
+    """A fixed point: the input a changed output feeds gets its gradient in
+    the output's guessed placements, through its own slot (not the wide one)."""
+    from localmap_fx.compiler.dtensor_border import _sends
+
+    R, P = Replicate(), Partial()
+    x = _dt((8, 16), [Replicate()], 0)
+
+    def rec(placements, wide=False):
+        return [DTensor.from_local(x.to_local(), x.device_mesh, placements)._spec, wide]
+
+    default, guess = ((R,),), ((P,),)
+    assert _sends([rec([P])], guess, {0: 0}, default)
+    assert not _sends([rec([R])], guess, {0: 0}, default)
+    assert not _sends([[]], guess, {0: 0}, default)  # no gradient
+    assert not _sends([rec([P], wide=True)], guess, {0: 0}, default)
+    assert _sends([rec([R])], default, {0: 0}, default)  # nothing changed, nothing asked
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_rejected_guess_generates_no_code(inner):
+    """``_col_row``: the Partial guess is stopped at its joint graph, so the
+    only AOT graphs handed to the inner compiler are the Replicate variant's
+    forward and backward, and a Partial gradient never compiles more."""
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    graphs: list = []
+    backend, seen = _recording(inner, on_aot_graph=lambda kind, gm: graphs.append(kind))
+    f = torch.compile(_col_row, backend=backend)
+    partial = _downstream([Partial()])
+    for _ in range(2):
+        partial(f(x, w1, w2)).backward()
+    (border,) = seen
+    assert border.plan.text() == "compile (R); convert (P(sum))"
+    assert graphs == ["forward", "backward"]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_kept_guess_is_compiled_once(inner):
+    """The TP block: the Partial guess is kept at its joint, nothing else is
+    compiled, and a Replicate gradient (the last block's) converts to it."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+    graphs: list = []
+    backend, seen = _recording(inner, on_aot_graph=lambda kind, gm: graphs.append(kind))
+    f = torch.compile(block, backend=backend)
+    for down in (_downstream([Partial()]), _downstream([Replicate()])):
+        down(f(x)).backward()
+    (border,) = seen
+    assert border.plan.text() == "compile (P(sum))"
+    assert graphs == ["forward", "backward"]
+
+
+@pytest.mark.inductor
+def test_users_joint_pass_still_runs_beside_the_reader():
+    """Inductor's joint pre-pass setting is the user's too: theirs runs after
+    the border's reader, on every joint graph, and the plan is unchanged."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    calls: list = []
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            calls.append(len(graph.nodes))
+
+        def uuid(self):
+            return "test.user_pass"
+
+    mesh = mesh_1d()
+    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+    backend, seen = _recording("inductor")
+    with inductor_config.patch(joint_custom_pre_pass=UserPass()):
+        _downstream([Partial()])(torch.compile(block, backend=backend)(x)).backward()
+    (border,) = seen
+    assert border.plan.text() == "compile (P(sum))"
+    assert calls
+
+
+def test_eager_grads_are_eagers_placements():
+    """What the plan reads for a tangent it does not compile when the guess
+    won at once: the placements eager DTensor gives each input's gradient."""
+    from localmap_fx.compiler import dtensor_border as border_module
+
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    expected = {}
+    for placements in ([Replicate()], [Partial()]):
+        _downstream(placements)(_col_row(x, w1, w2)).backward()
+        expected[placements[0]] = tuple(t.grad.placements for t in (x, w1, w2))
+        _clear(x, w1, w2)
+    got = {}
+
+    def backend(gm, example_inputs):
+        inputs, outputs, fake, local, wide = _border_inputs(gm, example_inputs)
+        for p in (Replicate(), Partial()):
+            got[p] = tuple(g for g in border_module._eager_grads(gm, local, fake, inputs, outputs, ((p,),), wide)
+                           if g is not None)
+        return gm.forward
+
+    torch.compile(_col_row, backend=backend)(x, w1, w2)
+    assert got == expected
+    assert expected[Partial()][2] != expected[Replicate()][2]  # w2: P against S(0)
