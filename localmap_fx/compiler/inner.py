@@ -9,9 +9,11 @@ compile's :class:`~localmap_fx.compiler.observe.Observer`.
 callable, the forward and backward AOT graphs with their compiled callables
 (:class:`AotGraph`), and compiles the backward at once (not at the first
 backward call): :mod:`localmap_fx.layer_sharing.runtime` calls them directly.
-``on_joint`` is called with AOTAutograd's joint graph before it is
-partitioned (inductor and aot_eager); it may raise to stop the compile
-before any code is generated (the lean border's tangent plan does).
+``on_joint`` is called once, with the graph's AOTAutograd joint graph
+before it is partitioned (inductor and aot_eager; not again for the joints
+of ``invoke_subgraph`` bodies, which are partitioned after it); it may raise
+to stop the compile before any code is generated (the lean border's tangent
+plan does).
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ Kept = list[AotGraph] | None
 CompileOne = Callable[..., Compiled]
 # on_joint(joint_graph): reads AOTAutograd's joint graph, changes nothing
 OnJoint = Callable[[fx.Graph], None]
+
+
+def _first_joint_only(on_joint: OnJoint) -> OnJoint:
+    """``on_joint`` for the first joint graph of a compile: the graph's own.
+    The joints of its ``invoke_subgraph`` bodies come later, from inside the
+    partitioner, and are not the graph's."""
+    seen = False
+
+    def read(joint: fx.Graph) -> None:
+        nonlocal seen
+        if not seen:
+            seen = True
+            on_joint(joint)
+
+    return read
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
@@ -208,7 +225,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
-        fn = compile_fn(gm, example_inputs, opts, watch, keep, on_joint)
+        fn = compile_fn(gm, example_inputs, opts, watch, keep, None if on_joint is None else _first_joint_only(on_joint))
         return Compiled(fn, tuple(keep) if keep is not None else ())
 
     return compile_one

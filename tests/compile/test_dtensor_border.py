@@ -808,3 +808,16 @@ def test_eager_grads_are_eagers_placements():
     torch.compile(_col_row, backend=backend)(x, w1, w2)
     assert got == expected
     assert expected[Partial()][2] != expected[Replicate()][2]  # w2: P against S(0)
+
+
+def test_joint_reader_reads_the_first_joint_only():
+    """The joints of ``invoke_subgraph`` bodies reach Inductor's joint passes
+    after the graph's own, from inside the partitioner: only the first is read."""
+    from localmap_fx.compiler.inner import _first_joint_only
+
+    seen: list = []
+    read = _first_joint_only(seen.append)
+    graphs = [torch.fx.Graph(), torch.fx.Graph()]
+    for g in graphs:
+        read(g)
+    assert seen == graphs[:1]
