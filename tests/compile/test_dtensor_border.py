@@ -821,3 +821,28 @@ def test_joint_reader_reads_the_first_joint_only():
     for g in graphs:
         read(g)
     assert seen == graphs[:1]
+
+
+def test_eager_partial_backward_of_col_row_runs_no_collective():
+    """torch's behaviour, pinned (docs/user-guide.md, upstream behaviour):
+    eager DTensor backpropagates a Partial gradient through ``_col_row`` with
+    no collective, where AOTAutograd's trace of the same code gathers both
+    weights and reduce-scatters (``test_joint_collectives_counts_a_gather_for_a_gradient_as_backward``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d" in func.namespace and "wait" not in func.__name__:
+                Count.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    loss = _downstream([Partial()])(_col_row(x, w1, w2))
+    with Count():
+        loss.backward()
+    assert Count.names == []
+    assert w2.grad.placements == (Partial(),)
