@@ -110,7 +110,8 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("aot_module_simplified", "torch._functorch.aot_autograd", "aot_module_simplified", CHECKED,
            "the inner compilers run AOTAutograd on the lowered graph"),
     Symbol("functorch_config", "torch._functorch.config", None, CHECKED,
-           "scoped AOT settings (config.patch) and the donated_buffer flag"),
+           "scoped AOT settings (config.patch), the donated_buffer flag, and joint_custom_pass (the lean "
+           "border reads a compile's joint graph)"),
     Symbol("OutputType", "torch._functorch._aot_autograd.schemas", "OutputType", CHECKED,
            "a layer whose output aliases an input or another output keeps AOTAutograd's runtime"),
     Symbol("PlainTensorMeta", "torch._functorch._aot_autograd.schemas", "PlainTensorMeta", CHECKED,
@@ -119,10 +120,6 @@ SYMBOLS: tuple[Symbol, ...] = (
            "the inductor inner compiler"),
     Symbol("compile_fx_inner", "torch._inductor.compile_fx", "compile_fx_inner", CHECKED,
            "the inductor inner compiler, forward and backward graphs"),
-    Symbol("CustomGraphPass", "torch._inductor.custom_graph_pass", "CustomGraphPass", CHECKED,
-           "the lean border reads the joint graph Inductor partitions (a pass that changes nothing)"),
-    Symbol("default_partition", "torch._functorch.partitioners", "default_partition", CHECKED,
-           "aot_eager's partitioner, which the lean border's joint-graph reader calls on"),
     Symbol("TracingContext", "torch._guards", "TracingContext", CHECKED,
            "a layer is compiled under its own tracing context; its fw_metadata is read from it"),
     Symbol("tracing", "torch._guards", "tracing", CHECKED,
@@ -273,12 +270,10 @@ if TYPE_CHECKING:
     from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
     from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import default_partition
     from torch._guards import CompileContext, TracingContext, detect_fake_mode, tracing
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._logging import getArtifactLogger, trace_structured
     from torch._logging._internal import log_registry, register_artifact, register_log, trace_log
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket

@@ -74,8 +74,9 @@ Note: [The gradient a stack sends back]
     output feeds an input of the same spec (:func:`_chained`), the border
     guesses that the stack sends Partial (:func:`_guess`) and compiles that,
     reading AOTAutograd's joint graph before anything is generated (the
-    ``on_joint`` reader of ``compile_one``: before Inductor's joint passes,
-    at aot_eager's partitioner).  The guess is kept when the joint shows it
+    ``on_joint`` reader of ``compile_one``: AOTAutograd's joint pass, once,
+    on the graph's own joint, after any subgraph's and before Inductor's
+    joint passes).  The guess is kept when the joint shows it
     is a fixed point (the chained input's gradient is Partial too:
     :func:`_sends`) and costs at most one collective per changed output
     more than its forward (:func:`_joint_collectives`): a default variant
@@ -456,7 +457,8 @@ def _joint_collectives(joint: fx.Graph) -> tuple[int, int]:
     The joint returns the forward's outputs, then one gradient per primal
     input; a forward collective is one those outputs need (a weight gathered
     only for its gradient is backward work, though it reads no tangent).  A
-    joint of another shape counts none as forward.
+    joint of another shape counts none as forward.  (Effect tokens would
+    shift the split; a graph with them is refused by ``compiled_layer``.)
     """
     from ..graph_utils import is_collective
 
@@ -512,6 +514,18 @@ def _eager_grads(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any
     return _grads(records)
 
 
+def _eager_traced(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
+                  outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
+    """``_TangentPlan.traced`` for ``tangents`` from :func:`_eager_grads`, or
+    nothing when eager cannot run the graph on the fakes (say, an in-place
+    write to a leaf AOTAutograd copies first): the input gradients then keep
+    the compiled variant's placements, the same values."""
+    try:
+        return ((tangents, _eager_grads(gm, local_inputs, fake_mode, inputs, outputs, tangents, wide)),)
+    except RuntimeError:
+        return ()
+
+
 def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
                      wide: Sequence[int]) -> tuple[_Variant | Refusal, _TangentPlan]:
@@ -545,10 +559,16 @@ def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
 
     try:
         first = compile_for(guess, judge_guess)
-        return first, _TangentPlan(guess, traced=(
-            (default, _eager_grads(gm, local_inputs, fake_mode, inputs, outputs, default, wide)),))
     except _Rejected:
-        pass
+        first = None
+    if isinstance(first, Refusal):
+        return first, _TangentPlan(guess)
+    if "guess" not in seen:
+        # compiled without its joint graph read (no joint pass ran): unjudged
+        return compile_for(default), _TangentPlan(default)
+    if first is not None:
+        return first, _TangentPlan(guess, traced=_eager_traced(gm, local_inputs, fake_mode, inputs, outputs,
+                                                               default, wide))
     guess_total, guess_sent, guess_grads = seen["guess"]
 
     def judge_default(joint: fx.Graph, records: list[list]) -> None:
@@ -563,6 +583,8 @@ def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
         first = compile_for(default, judge_default)
     except _Rejected:
         return compile_for(guess), _TangentPlan(guess, traced=((default, seen["default"][1]),))
+    if isinstance(first, Refusal) or "default" not in seen:
+        return first, _TangentPlan(default)
     costs_more = guess_sent and guess_total > seen["default"][0] + changed
     return first, _TangentPlan(default, traced=((guess, guess_grads),), converted=(guess,) if costs_more else ())
 

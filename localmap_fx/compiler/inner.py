@@ -9,11 +9,12 @@ compile's :class:`~localmap_fx.compiler.observe.Observer`.
 callable, the forward and backward AOT graphs with their compiled callables
 (:class:`AotGraph`), and compiles the backward at once (not at the first
 backward call): :mod:`localmap_fx.layer_sharing.runtime` calls them directly.
-``on_joint`` is called once, with the graph's AOTAutograd joint graph
-before it is partitioned (inductor and aot_eager; not again for the joints
-of ``invoke_subgraph`` bodies, which are partitioned after it); it may raise
-to stop the compile before any code is generated (the lean border's tangent
-plan does).
+``on_joint`` is called once, with the graph's own AOTAutograd joint graph
+before it is partitioned (inductor and aot_eager: AOTAutograd's
+``joint_custom_pass``, after the joints of ``invoke_subgraph`` bodies and
+other subgraphs were partitioned, before Inductor's joint passes); it may
+raise to stop the compile before any code is generated (the lean border's
+tangent plan does).
 """
 
 from __future__ import annotations
@@ -57,19 +58,22 @@ CompileOne = Callable[..., Compiled]
 OnJoint = Callable[[fx.Graph], None]
 
 
-def _first_joint_only(on_joint: OnJoint) -> OnJoint:
-    """``on_joint`` for the first joint graph of a compile: the graph's own.
-    The joints of its ``invoke_subgraph`` bodies come later, from inside the
-    partitioner, and are not the graph's."""
-    seen = False
+def _reading_joint(on_joint: OnJoint | None):
+    """AOTAutograd's joint pass, scoped to one compile: ``on_joint`` reads the
+    graph's joint, then the user's own joint pass (if any) runs as before."""
+    import contextlib
 
-    def read(joint: fx.Graph) -> None:
-        nonlocal seen
-        if not seen:
-            seen = True
-            on_joint(joint)
+    from .._torch_compat import functorch_config
 
-    return read
+    if on_joint is None:
+        return contextlib.nullcontext()
+    theirs = functorch_config.joint_custom_pass
+
+    def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
+        on_joint(joint.graph)
+        return theirs(joint, joint_inputs) if callable(theirs) else joint
+
+    return functorch_config.patch(joint_custom_pass=joint_pass)
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
@@ -84,7 +88,7 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
     import torch
     from functorch.compile import make_boxed_func
 
-    from .._torch_compat import aot_module_simplified, default_partition
+    from .._torch_compat import aot_module_simplified
 
     def recorder(kind: str):
         # Note: [A lazy backward compile is no frame for Dynamo]
@@ -101,42 +105,17 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
         return compile_graph
 
-    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
-        if on_joint is not None:
-            on_joint(joint.graph)
-        return default_partition(joint, joint_inputs, **kwargs)
-
-    with _backward_now(keep):
+    with _backward_now(keep), _reading_joint(on_joint):
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
-            partition_fn=partition,
+            gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward")
         )
-
-
-def _joint_reader(on_joint: OnJoint):
-    """``on_joint`` as an Inductor joint pass, run before Inductor's own (a
-    compile it stops costs no pattern matching, and it reads the joint as
-    aot_eager's partitioner gets it).  It changes nothing, so one uuid
-    serves every graph in Inductor's cache key."""
-    from .._torch_compat import CustomGraphPass
-
-    class JointReader(CustomGraphPass):
-        def __call__(self, graph: fx.Graph) -> None:
-            on_joint(graph)
-
-        def uuid(self) -> str:
-            return "localmap_fx.joint_reader"
-
-    return JointReader()
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
               keep: Kept = None, on_joint: OnJoint | None = None):
-    import contextlib
-
     import torch
 
-    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config, inductor_config
+    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
     from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
     from . import cache_keys
@@ -165,21 +144,12 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys
                           else (gm, list(example_inputs), ()))
     before = cache_keys.CacheCounts.now()
-    reading = contextlib.nullcontext() if on_joint is None else inductor_config.patch(
-        joint_custom_pre_pass=(_joint_reader(on_joint), *_passes(inductor_config.joint_custom_pre_pass)))
     with _backward_now(keep), functorch_config.patch(
             enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
-            cache_keys.marked_cacheable(bool(lifted)), reading:
+            cache_keys.marked_cacheable(bool(lifted)), _reading_joint(on_joint):
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
-
-
-def _passes(configured: Any) -> tuple:
-    """A custom-pass setting of Inductor's config as a tuple (the user's, kept after ours)."""
-    if configured is None:
-        return ()
-    return tuple(configured) if isinstance(configured, (list, tuple)) else (configured,)
 
 
 def _backward_now(keep: Kept):
@@ -225,7 +195,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
-        fn = compile_fn(gm, example_inputs, opts, watch, keep, None if on_joint is None else _first_joint_only(on_joint))
+        fn = compile_fn(gm, example_inputs, opts, watch, keep, on_joint)
         return Compiled(fn, tuple(keep) if keep is not None else ())
 
     return compile_one

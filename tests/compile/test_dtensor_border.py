@@ -755,32 +755,75 @@ def test_kept_guess_is_compiled_once(inner):
     assert graphs == ["forward", "backward"]
 
 
-@pytest.mark.inductor
-def test_users_joint_pass_still_runs_beside_the_reader():
-    """Inductor's joint pre-pass setting is the user's too: theirs runs after
-    the border's reader, on every joint graph, and the plan is unchanged."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_users_joint_pass_still_runs_beside_the_reader(inner):
+    """AOTAutograd's joint pass setting is the user's too: theirs runs after
+    the border's reader, on the joint, and the plan is unchanged."""
+    from torch._functorch import config as functorch_config
 
     from localmap_fx.testing.models import TPStack, tp_stack_input
 
     calls: list = []
 
-    class UserPass(CustomGraphPass):
-        def __call__(self, graph):
-            calls.append(len(graph.nodes))
-
-        def uuid(self):
-            return "test.user_pass"
+    def user_pass(joint, joint_inputs):
+        calls.append(len(joint.graph.nodes))
+        return joint
 
     mesh = mesh_1d()
     block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
-    backend, seen = _recording("inductor")
-    with inductor_config.patch(joint_custom_pre_pass=UserPass()):
+    backend, seen = _recording(inner)
+    with functorch_config.patch(joint_custom_pass=user_pass):
         _downstream([Partial()])(torch.compile(block, backend=backend)(x)).backward()
     (border,) = seen
     assert border.plan.text() == "compile (P(sum))"
     assert calls
+
+
+@torch.compiler.nested_compile_region
+def _side(t):
+    return t.sin() * 2
+
+
+def _col_row_and_side(x, w1, w2, s):
+    return _col_row(x, w1, w2), _side(_side(s))
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_plan_reads_the_graphs_joint_not_a_subgraphs(inner):
+    """A graph with an ``invoke_subgraph`` beside the block: AOTAutograd
+    partitions the subgraph's joint before the graph's own, and the plan must
+    read the graph's (the subgraph's has no collective and would make the
+    costly Partial look free)."""
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    s = torch.randn(4, requires_grad=True)
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        # the border itself (the backend's pipeline would make the subgraph a marked block)
+        border = dtensor_border(gm, example_inputs, inner_compiler(BackendOptions(inner=inner, lean_border=False)))
+        seen.append(border)
+        return border
+
+    y, k = torch.compile(_col_row_and_side, backend=backend)(x, w1, w2, s)
+    (_downstream([Partial()])(y) + k.sum()).backward()
+    (border,) = seen
+    assert border.plan.text() == "compile (R, -); convert (P(sum), -)"
+
+
+def test_guess_refused_is_a_refusal_not_an_error():
+    """A chained graph that writes a plain input AOTAutograd copies first (eager
+    could not run it on the fakes): the border refuses it, as it did before the
+    plan compiled the guess."""
+    def f(x, s):
+        s.mul_(2)
+        return x * 2, s * 3
+
+    x = _dt((8, 16), [Replicate()], 0)
+    s = torch.randn(4, requires_grad=True) * 1
+    got = _refusal_of(f, (x, s))
+    assert isinstance(got, Refusal) and got.code == Refused.WRITES_INPUT
 
 
 def test_eager_grads_are_eagers_placements():
@@ -808,19 +851,6 @@ def test_eager_grads_are_eagers_placements():
     torch.compile(_col_row, backend=backend)(x, w1, w2)
     assert got == expected
     assert expected[Partial()][2] != expected[Replicate()][2]  # w2: P against S(0)
-
-
-def test_joint_reader_reads_the_first_joint_only():
-    """The joints of ``invoke_subgraph`` bodies reach Inductor's joint passes
-    after the graph's own, from inside the partitioner: only the first is read."""
-    from localmap_fx.compiler.inner import _first_joint_only
-
-    seen: list = []
-    read = _first_joint_only(seen.append)
-    graphs = [torch.fx.Graph(), torch.fx.Graph()]
-    for g in graphs:
-        read(g)
-    assert seen == graphs[:1]
 
 
 def test_eager_partial_backward_of_col_row_runs_no_collective():
