@@ -191,6 +191,8 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
             # Note: [Stable keys behind the border] (cache_keys.py)
             lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs, carried_only=True)
             border = dtensor_border(lifted_gm, inputs, compile_one)
+            watch.border(border.text() if isinstance(border, DTensorBorder)
+                         else f"not used, AOTAutograd's runtime instead: {border.text}")
             if isinstance(border, DTensorBorder):
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)

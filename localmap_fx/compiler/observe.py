@@ -3,7 +3,8 @@
 Every stage of :data:`localmap_fx.compiler.pipeline.STAGES` reports to an
 :class:`Observer` (as Inductor's ``GraphTransformObserver`` sees every pass):
 the graph after each stage, the graph handed to the inner compiler, the
-layer decision, the AOT graphs and what the inner compiler produced.  The
+layer decision, the lean DTensor border (or why not), the AOT graphs and
+what the inner compiler produced.  The
 dump (:class:`localmap_fx.debug.dump.FrameInspector`, which also feeds
 ``TORCH_TRACE`` and ``TORCH_LOGS=localmap_fx_regions``) is one observer;
 the user's ``on_stage`` / ``on_aot_graph`` options are another
@@ -33,6 +34,10 @@ class Observer:
         """The layer plan, the share-or-not :class:`~localmap_fx.layer_sharing.decide.Decision`
         and, when the frame was split, one report per compiled piece."""
 
+    def border(self, text: str) -> None:
+        """How a graph compiled whole runs: behind the lean DTensor border (its
+        text, with the tangent plan) or, with the reason, on AOTAutograd's runtime."""
+
     def aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
         """An AOTAutograd ``"forward"`` / ``"backward"`` graph (inner = inductor or aot_eager)."""
 
@@ -57,6 +62,10 @@ class Observers(Observer):
     def layers(self, plan: Any, decision: Any, pieces: Sequence[Any] | None) -> None:
         for o in self.observers:
             o.layers(plan, decision, pieces)
+
+    def border(self, text: str) -> None:
+        for o in self.observers:
+            o.border(text)
 
     def aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
         for o in self.observers:

@@ -261,6 +261,11 @@ class FrameInspector(Observer):
             "pieces", tables.piece_rows(plan, pieces, decision.why_whole)))
         self._write_summary(trace=True)
 
+    def border(self, text: str) -> None:
+        """The lean DTensor border of the graph compiled whole, and its tangent plan (or why not)."""
+        self._guard("border", lambda: self.summary.__setitem__("border", text))
+        self._write_summary(trace=False)
+
     def aot_graph(self, kind: str, gm: fx.GraphModule) -> None:
         def step() -> None:
             n = self._counts.get(kind, 0)

@@ -138,6 +138,8 @@ def summary_markdown(summary: dict) -> str:
                 [[r["piece"], ", ".join(str(i) for i in r["layers"]) or "-", r.get("calls", "-"), r["key"],
                   r["nodes"], r.get("inline"), r.get("runtime", "-")] for r in pieces["rows"]],
             )
+    if summary.get("border"):
+        lines += ["", "## DTensor border", "", summary["border"]]
     lines += ["", "## Collectives", ""]
     all_rows = [c for p in ("forward", "backward") for c in (colls.get(p) or [])]
     if all_rows:

@@ -137,7 +137,8 @@ class TestKnownDump(TestCase):
         # S(0) -> R (all_gather); the user's y.redistribute(R) gathers once
         # more.  Backward: x's grad goes back S(0) -> S(1) (one gather); w's
         # R -> S(0) grad and y's are local chunks.  Local shards: 8x8 f32 over
-        # 4 ranks -> 2x8 or 8x2 = 64 bytes.
+        # 4 ranks -> 2x8 or 8x2 = 64 bytes.  The border: x and w in, the loss
+        # out, which feeds no input, so its default gradient (R) is compiled.
         self.assertExpectedInline(text, """\
 # localmap_fx dump rank0-frameN-M
 
@@ -155,6 +156,10 @@ inner compiler: aot_eager · regions: 1 · collectives: forward 3, backward 1
 |---|---|---|---|---|---|---|
 | r0 _scale_rows | arg0 | S(1)->S(0)@tp:all_to_all | all_to_all | tp | 4 | 64 |
 | r0 _scale_rows | arg1 | S(0)->R@tp:all_gather | all_gather | tp | 4 | 64 |
+
+## DTensor border
+
+DTensor border: 2 DTensor inputs, 1 DTensor outputs; backward for tangents (R) (planned: compile (R))
 
 ## Collectives
 
@@ -567,3 +572,40 @@ def test_data_dependent_split_sizes_keep_the_collective_table(tmp_path):
     with open(os.path.join(frame, "summary.md")) as f:
         md = f.read()
     assert f"| {symbolic['bytes_per_rank']} |" in md.replace("\\|", "|")
+
+
+def test_dump_names_the_border_and_its_plan(tmp_path):
+    """A regional TP block's dump says it runs behind the lean DTensor border
+    and which gradient it was compiled for (Note: [The gradient a stack sends
+    back]); with ``lean_border=False`` it says it runs on AOTAutograd's runtime."""
+    from torch.distributed.tensor import Partial
+
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_for(1)
+    for lean, expected in ((True, "(planned: compile (P(sum)))"), (False, None)):
+        torch._dynamo.reset()
+        root = tmp_path / str(lean)
+        block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+        f = torch.compile(block, backend=localmap_fx.backend("aot_eager", lean_border=lean, dump_dir=str(root)))
+        (f(x).to_local(grad_placements=[Partial()]) ** 2).sum().backward()
+        with open(os.path.join(root, _only_frame(root), "summary.md")) as fh:
+            text = fh.read()
+        if expected is None:
+            assert "## DTensor border" not in text
+        else:
+            assert "## DTensor border" in text and expected in text, text
+
+
+def test_dump_says_why_the_border_is_not_used(tmp_path):
+    """Compiled under no_grad, a graph keeps AOTAutograd's inference runtime; the dump says so and why."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_for(1)
+    torch._dynamo.reset()
+    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+    with torch.no_grad():
+        torch.compile(block, backend=localmap_fx.backend("aot_eager", dump_dir=str(tmp_path)))(x)
+    with open(os.path.join(tmp_path, _only_frame(tmp_path), "summary.md")) as fh:
+        text = fh.read()
+    assert "not used, AOTAutograd's runtime instead: compiled under no_grad" in text, text
