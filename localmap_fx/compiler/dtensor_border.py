@@ -105,6 +105,7 @@ Note: [The gradient a stack sends back]
                  the last block's R gradient: R -> P locally
         attn:    compile (P): joint 4 collectives, forward 1 -> stopped;
                  compile (R): joint 1 -> kept; P -> R (all_reduce), wo's gradient S(0) -> P as eager
+
 Note: [A gradient wider than its input]
     Eager DTensor gives a Shard parameter a Partial gradient when the op that
     reads it says so: ``o @ wo`` with ``wo`` Shard(0) and a Partial gradient
