@@ -785,6 +785,16 @@ def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
                     _saved_signature(compiled.aot_graphs))
 
 
+def _wrapper_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake_mode: Any) -> tuple[list, tuple]:
+    """The wrapper's example inputs (local fakes, then one per wide slot) and
+    the inputs with a wide slot (Note: [A gradient wider than its input])."""
+    wide = _wide_inputs(example_inputs, inputs)
+    local_inputs = _local_examples(example_inputs, inputs, fake_mode)
+    with fake_mode:
+        local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
+    return local_inputs, wide
+
+
 def _fake_mode_of(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> Any:
     """The fake mode of the examples' (local) tensors, else the tracing context's (None outside Dynamo)."""
     from .._torch_compat import detect_fake_mode
@@ -861,10 +871,7 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     fake_mode = _fake_mode_of(example_inputs, inputs)
     if fake_mode is None:
         return Refusal(BorderRefused.NO_FAKE_MODE, "compiled outside Dynamo (no fake mode)")
-    wide = _wide_inputs(example_inputs, inputs)
-    local_inputs = _local_examples(example_inputs, inputs, fake_mode)
-    with fake_mode:
-        local_inputs += [_wide_value(example_inputs[i]).requires_grad_() for i in wide]
+    local_inputs, wide = _wrapper_examples(example_inputs, inputs, fake_mode)
     first, plan = _compile_planned(gm, local_inputs, fake_mode, compile_one, inputs, outputs, example_inputs, wide)
     if isinstance(first, Refusal):
         return first

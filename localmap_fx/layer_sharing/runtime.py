@@ -158,13 +158,12 @@ def compile_with_metadata(compile_one: CompileOne, gm: fx.GraphModule, example: 
     from .._torch_compat import TracingContext, detect_fake_mode, tracing
 
     fake_mode = fake_mode if fake_mode is not None else detect_fake_mode(example)
-    extra = {} if on_joint is None else {"on_joint": on_joint}
     if fake_mode is None:
-        return compile_one(gm, example, aot_graphs, **extra), None
+        return compile_one(gm, example, aot_graphs, on_joint=on_joint), None
     context = TracingContext(fake_mode)
     # a graph may be compiled inside a backward (the lean border's variants), where grad mode is off
     with tracing(context), torch.enable_grad():
-        compiled = compile_one(gm, example, aot_graphs, **extra)
+        compiled = compile_one(gm, example, aot_graphs, on_joint=on_joint)
     return compiled, context.fw_metadata
 
 

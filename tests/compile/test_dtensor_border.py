@@ -628,10 +628,7 @@ def _border_inputs(gm, example_inputs):
     outs = [n.meta["example_value"] for n in next(iter(gm.graph.find_nodes(op="output"))).args[0]]
     inputs, outputs = border_module._slots(example_inputs, outs)
     fake = border_module._fake_mode_of(example_inputs, inputs)
-    local = border_module._local_examples(example_inputs, inputs, fake)
-    wide = border_module._wide_inputs(example_inputs, inputs)
-    with fake:
-        local += [border_module._wide_value(example_inputs[i]).requires_grad_() for i in wide]
+    local, wide = border_module._wrapper_examples(example_inputs, inputs, fake)
     return inputs, outputs, fake, local, wide
 
 
