@@ -118,6 +118,8 @@ SYMBOLS: tuple[Symbol, ...] = (
            "a layer with a tensor-subclass output keeps AOTAutograd's runtime"),
     Symbol("compile_fx", "torch._inductor.compile_fx", "compile_fx", CHECKED,
            "the inductor inner compiler"),
+    Symbol("inductor_cache_dir", "torch._inductor.runtime.cache_dir_utils", "cache_dir", CHECKED,
+           "the lean border's gradient files live beside torch's caches"),
     Symbol("compile_fx_inner", "torch._inductor.compile_fx", "compile_fx_inner", CHECKED,
            "the inductor inner compiler, forward and backward graphs"),
     Symbol("TracingContext", "torch._guards", "TracingContext", CHECKED,

@@ -88,6 +88,7 @@ __all__ = [
     "marked_cacheable",
     "dynamo_graph_copy",
     "find_mesh_inputs",
+    "keep_mesh",
     "log_counts",
     "log_lifted",
     "lift_mesh_inputs",
@@ -120,6 +121,14 @@ def mesh_key(mesh: Any) -> str | None:
         return None
     return (f"{mesh.device_type}|{tuple(mesh.shape)}|{mesh.mesh.flatten().tolist()}|"
             f"{mesh.mesh_dim_names}|{groups}")
+
+
+def keep_mesh(mesh: Any) -> str | None:
+    """``mesh``'s key (:func:`mesh_key`), registered for :func:`mesh_constant`; None if it has none."""
+    key = mesh_key(mesh)
+    if key is not None:
+        _MESHES[key] = mesh
+    return key
 
 
 def mesh_constant(key: str) -> Any:

@@ -266,12 +266,29 @@ def _leave_fn(grad_placements: Placements) -> Callable:
     return leave
 
 
+class _Calls:
+    """The wrapper's enter and leave nodes: closures over ``_Enter`` (its
+    record list per input) and ``to_local``."""
+
+    def __init__(self, records: Sequence[list] = ()) -> None:
+        self.records = records
+
+    def enter(self, g: fx.Graph, i: int, slot: _Slot, local: fx.Node, wide: fx.Node | None) -> fx.Node:
+        args = (local, wide) if wide is not None else (local,)
+        return g.call_function(_enter_fn(slot.spec, self.records[i]), args)
+
+    def leave(self, g: fx.Graph, out: fx.Node, placements: Placements) -> fx.Node:
+        return g.call_function(_leave_fn(placements), (out,))
+
+
 def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slot],
              tangents: Sequence[Placements | None], records: Sequence[list],
-             wide: Sequence[int] = ()) -> fx.GraphModule:
+             wide: Sequence[int] = (), calls: _Calls | None = None) -> fx.GraphModule:
     """The local-level graph around ``gm`` (Note: [The border's wrapper graph]);
     ``wide``: the inputs that get a wide slot, after all others (Note: [A
-    gradient wider than its input])."""
+    gradient wider than its input]).  ``calls``: what enters and leaves
+    (default: ``_Enter`` with ``records`` and ``to_local``; the cacheable
+    border's named calls, Note: [A border torch's caches can serve])."""
     g = fx.Graph()
     old = [n for n in gm.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, fx.Node] = {}
@@ -281,6 +298,7 @@ def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slo
         new.meta = dict(p.meta)
         news.append(new)
     wides = {i: g.placeholder(f"{old[i].name}_wide") for i in wide}
+    calls = calls if calls is not None else _Calls(records)
     for i, (p, slot, new) in enumerate(zip(old, inputs, news)):
         if slot.spec is not None:
             val = p.meta.get("example_value", p.meta.get("val"))
@@ -288,8 +306,7 @@ def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slo
             for k in ("val", "example_value"):
                 if k in new.meta:
                     new.meta[k] = local
-            args = (new, wides[i]) if i in wides else (new,)
-            dt = g.call_function(_enter_fn(slot.spec, records[i]), args)
+            dt = calls.enter(g, i, slot, new, wides.get(i))
             dt.meta = dict(p.meta)
             env[p] = dt
         else:
@@ -303,11 +320,11 @@ def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slo
         if slot.spec is None or t is None:
             results.append(a)
             continue
-        leave = g.call_function(_leave_fn(t), (a,))
+        left = calls.leave(g, a, t)
         val = a.meta.get("example_value", a.meta.get("val"))
         if val is not None:
-            leave.meta["val"] = val._local_tensor
-        results.append(leave)
+            left.meta["val"] = val._local_tensor
+        results.append(left)
     g.output(tuple(results))
     wrapped = fx.GraphModule(gm, g)
     return wrapped
@@ -626,7 +643,7 @@ class DTensorBorder:
     """A compiled graph run between DTensors (Note: [A backward per tangent placement])."""
 
     def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
-                 inputs: list[_Slot], outputs: list[_Slot], first: _Variant, wide: tuple[int, ...] = (),
+                 inputs: Sequence[_Slot], outputs: Sequence[_Slot], first: _Variant, wide: tuple[int, ...] = (),
                  wide_values: tuple[torch.Tensor, ...] = (), plan: _TangentPlan | None = None) -> None:
         self._gm = gm
         self._local_inputs = local_inputs
@@ -836,14 +853,19 @@ def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
     return tuple(sig)
 
 
-def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                   compile_one: CompileOne) -> DTensorBorder | Refusal:
-    """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What the border learns of a graph before compiling it (:func:`prepare`)."""
 
-    ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
-    (it must keep the AOT graphs: inductor or aot_eager, and read their
-    joint graphs: Note: [The gradient a stack sends back]).
-    """
+    inputs: tuple[_Slot, ...]
+    outputs: tuple[_Slot, ...]
+    fake_mode: Any
+    local_inputs: list  # the wrapper's example inputs (:func:`_wrapper_examples`)
+    wide: tuple[int, ...]  # the inputs with a wide slot (Note: [A gradient wider than its input])
+
+
+def prepare(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Prepared | Refusal:
+    """The slots and examples of ``gm``'s wrapper, or why no DTensor border can run it."""
     from ..graph_utils import node_value
 
     if not torch.is_grad_enabled():
@@ -872,11 +894,27 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any],
     if fake_mode is None:
         return Refusal(BorderRefused.NO_FAKE_MODE, "compiled outside Dynamo (no fake mode)")
     local_inputs, wide = _wrapper_examples(example_inputs, inputs, fake_mode)
-    first, plan = _compile_planned(gm, local_inputs, fake_mode, compile_one, inputs, outputs, example_inputs, wide)
+    return Prepared(tuple(inputs), tuple(outputs), fake_mode, local_inputs, tuple(wide))
+
+
+def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_one: CompileOne,
+                   prepared: Prepared | None = None) -> DTensorBorder | Refusal:
+    """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
+
+    ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
+    (it must keep the AOT graphs: inductor or aot_eager, and read their
+    joint graphs: Note: [The gradient a stack sends back]); ``prepared``:
+    :func:`prepare`'s answer, if already asked.
+    """
+    p = prepared if prepared is not None else prepare(gm, example_inputs)
+    if isinstance(p, Refusal):
+        return p
+    first, plan = _compile_planned(gm, p.local_inputs, p.fake_mode, compile_one, p.inputs, p.outputs,
+                                   example_inputs, p.wide)
     if isinstance(first, Refusal):
         return first
-    return DTensorBorder(gm, local_inputs, fake_mode, compile_one, inputs, outputs, first, wide,
-                         tuple(_wide_value(example_inputs[i]) for i in wide), plan)
+    return DTensorBorder(gm, p.local_inputs, p.fake_mode, compile_one, p.inputs, p.outputs, first, p.wide,
+                         tuple(_wide_value(example_inputs[i]) for i in p.wide), plan)
 
 
 _TENSOR = object()

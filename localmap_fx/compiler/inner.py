@@ -9,6 +9,7 @@ compile's :class:`~localmap_fx.compiler.observe.Observer`.
 callable, the forward and backward AOT graphs with their compiled callables
 (:class:`AotGraph`), and compiles the backward at once (not at the first
 backward call): :mod:`localmap_fx.layer_sharing.runtime` calls them directly.
+``as_is=True`` compiles the graph as it is, never behind a DTensor border.
 ``on_joint`` is called once, with the graph's own AOTAutograd joint graph
 before it is partitioned (inductor and aot_eager: AOTAutograd's
 ``joint_custom_pass``, after the joints of ``invoke_subgraph`` bodies and
@@ -152,6 +153,14 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 
 
+def _torch_caches_on(opts: BackendOptions) -> bool:
+    """Would AOTAutogradCache serve a graph compiled now (Note: [A border torch's caches can serve])?"""
+    from .._torch_compat import functorch_config, inductor_config
+
+    return (opts.inner == "inductor" and bool(functorch_config.enable_autograd_cache)
+            and bool(inductor_config.fx_graph_cache) and not inductor_config.force_disable_caches)
+
+
 def _backward_now(keep: Kept):
     import contextlib
 
@@ -179,21 +188,23 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     watch = observer if observer is not None else Observer()
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False,
-                    on_joint: OnJoint | None = None) -> Compiled:
-        if not aot_graphs and opts.uses_lean_border:
+                    on_joint: OnJoint | None = None, as_is: bool = False) -> Compiled:
+        if not aot_graphs and not as_is and opts.uses_lean_border:
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
             # give back: stable_cache_keys=True asks for that cache too, so it
             # goes without the border (whose graphs hit Inductor's cache anyway).
             from . import cache_keys
-            from .dtensor_border import DTensorBorder, dtensor_border
+            from .cacheable_border import CacheableBorder, border_for
+            from .dtensor_border import DTensorBorder
 
             # Note: [Stable keys behind the border] (cache_keys.py)
             lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs, carried_only=True)
-            border = dtensor_border(lifted_gm, inputs, compile_one)
-            watch.border(border.text() if isinstance(border, DTensorBorder)
+            border = border_for(lifted_gm, inputs, compile_one,
+                                cacheable=_torch_caches_on(opts) and not watch.wants_aot_graphs)
+            watch.border(border.text() if isinstance(border, (DTensorBorder, CacheableBorder))
                          else f"not used, AOTAutograd's runtime instead: {border.text}")
-            if isinstance(border, DTensorBorder):
+            if isinstance(border, (DTensorBorder, CacheableBorder)):
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None

@@ -24,6 +24,11 @@ __all__ = ["Observer", "Observers", "UserHooks"]
 class Observer:
     """Hooks called while a frame compiles; each does nothing unless overridden."""
 
+    # an observer that reads AOT graphs: a graph is then compiled where they
+    # exist (an AOTAutogradCache hit has none; Note: [A border torch's caches
+    # can serve] in compiler/cacheable_border.py)
+    wants_aot_graphs: bool = False
+
     def stage(self, name: str, gm: fx.GraphModule) -> None:
         """``gm`` after the stage ``name`` (code up to date); ``"captured"`` first."""
 
@@ -50,6 +55,7 @@ class Observers(Observer):
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = tuple(observers)
+        self.wants_aot_graphs = any(o.wants_aot_graphs for o in self.observers)
 
     def stage(self, name: str, gm: fx.GraphModule) -> None:
         for o in self.observers:
@@ -82,6 +88,7 @@ class UserHooks(Observer):
     def __init__(self, on_stage: Callable[[str, fx.GraphModule], None] | None,
                  on_aot_graph: Callable[[str, fx.GraphModule], None] | None) -> None:
         self.on_stage, self.on_aot_graph = on_stage, on_aot_graph
+        self.wants_aot_graphs = on_aot_graph is not None
 
     def stage(self, name: str, gm: fx.GraphModule) -> None:
         if self.on_stage is not None:

@@ -159,6 +159,9 @@ class FrameInspector(Observer):
     (``TORCH_TRACE``) and the ``localmap_fx_regions`` log artifact.
     """
 
+    # its collective table and files read the AOT graphs
+    wants_aot_graphs = True
+
     def __init__(self, inner: str, folder: FrameFolder | None, frame: str) -> None:
         self.inner = inner
         self.folder = folder

@@ -3,9 +3,11 @@
 Each compile runs in a fresh Python process (``_worker``) on a fake process
 group, with ``TORCHINDUCTOR_CACHE_DIR`` pointing at the test's folder, and
 reports torch's cache counters, the loss and the gradients.  With the default
-options the lean border keeps its AOT graphs (no AOTAutogradCache), and
-Inductor's FX graph cache hits (Note: [Stable keys behind the border]); with
-``stable_cache_keys=True`` both caches hit.
+options a whole model runs behind the border torch's caches serve, and both
+caches hit (Note: [A border torch's caches can serve]); a regional block keeps
+its AOT graphs behind the lean border (no AOTAutogradCache), and Inductor's FX
+graph cache hits (Note: [Stable keys behind the border]); with
+``stable_cache_keys=True`` both caches hit for both.
 """
 
 from __future__ import annotations
@@ -103,20 +105,50 @@ def test_a_new_process_hits_both_caches(tmp_path, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["whole", "regional"])
-def test_default_options_hit_the_fx_graph_cache_in_a_new_process(tmp_path, mode):
-    """Default options: the graph behind the lean border has no mesh input, so
-    every Inductor compile of the first process is an FX graph cache hit in the
-    second (before, the forward graph, whose inputs held the mesh, missed)."""
-    cold = _run(mode, str(tmp_path / "cache"), n_layers=3, stable=False)
-    warm = _run(mode, str(tmp_path / "cache"), n_layers=3, stable=False)
+def test_default_options_hit_the_fx_graph_cache_in_a_new_process(tmp_path):
+    """Default options, regional blocks: the graph behind the lean border has
+    no mesh input, so every Inductor compile of the first process is an FX
+    graph cache hit in the second (before, the forward graph, whose inputs
+    held the mesh, missed)."""
+    cold = _run("regional", str(tmp_path / "cache"), n_layers=3, stable=False)
+    warm = _run("regional", str(tmp_path / "cache"), n_layers=3, stable=False)
     compiles = cold["inductor"].get("fxgraph_cache_miss", 0) + cold["inductor"].get("fxgraph_cache_hit", 0)
-    # a forward and a backward at least (regional: one more backward, for Partial gradients)
+    # a forward and a backward at least
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
     assert warm["inductor"].get("fxgraph_cache_hit", 0) == compiles, warm
-    # the border keeps its AOT graphs: AOTAutogradCache is not asked
+    # the lean border keeps its AOT graphs: AOTAutogradCache is not asked
     assert not any(k.startswith("autograd_cache") for k in warm["aot"]), warm
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+def test_default_options_hit_both_caches_for_a_whole_model_in_a_new_process(tmp_path):
+    """Default options, the whole model compiled: the border torch's caches
+    serve (Note: [A border torch's caches can serve]); the second process
+    traces nothing, reads the input gradients' placements from the file the
+    first wrote, and gives the same numbers."""
+    cold = _run("whole", str(tmp_path / "cache"), n_layers=3, stable=False)
+    warm = _run("whole", str(tmp_path / "cache"), n_layers=3, stable=False)
+    assert cold["aot"].get("autograd_cache_saved", 0) == 1, cold
+    assert warm["aot"].get("autograd_cache_hit", 0) == 1 and warm["aot"].get("autograd_cache_miss", 0) == 0, warm
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    assert len(os.listdir(tmp_path / "cache" / "localmap_fx" / "border_grads")) == 1
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+def test_default_options_mega_cache_without_the_gradient_file_compiles_again(tmp_path):
+    """The mega-cache holds torch's caches, not the border's gradient file: a
+    process that loads it into another folder hits AOTAutogradCache, finds no
+    file, and compiles again with AOTAutogradCache off (Inductor's cache still
+    hits): the same numbers, never a guess."""
+    artifacts = str(tmp_path / "artifacts.bin")
+    cold = _run("whole", str(tmp_path / "a"), save=artifacts, stable=False)
+    warm = _run("whole", str(tmp_path / "b"), load=artifacts, stable=False)
+    assert warm["aot"].get("autograd_cache_hit", 0) == 1, warm
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    assert len(os.listdir(tmp_path / "b" / "localmap_fx" / "border_grads")) == 1
     _same_numbers(cold, warm)
 
 

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.compiler.pipeline",),
     ("localmap_fx.debug.dump", "localmap_fx.debug.cli", "localmap_fx.layer_sharing.compile", "localmap_fx.compiler.inner"),
     ("localmap_fx.layer_sharing.runs",),
+    ("localmap_fx.compiler.cacheable_border",),
     ("localmap_fx.compiler.dtensor_border", "localmap_fx.layer_sharing.piece_meshes"),
     (
         "localmap_fx.passes.outline_regions",

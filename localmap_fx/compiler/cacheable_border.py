@@ -1,0 +1,473 @@
+"""A DTensor border whose compile torch's caches serve in a new process.
+
+Note: [A border torch's caches can serve]
+    The lean border (:mod:`~localmap_fx.compiler.dtensor_border`) keeps its
+    AOT graphs: it runs the compiled forward and backward itself and reads
+    the joint graph to plan a stack's gradients.  An AOTAutogradCache hit
+    returns neither, so its graphs are traced and partitioned again in every
+    new process (a 64-layer TP stack compiled whole: warm restart 7.0 s
+    against 20.0 s cold, where a graph that hits AOTAutogradCache takes
+    3.6 s).  A graph with no output chained to an input (a whole model that
+    returns its loss) has no tangent plan to make, so it needs neither:
+
+    * the wrapper graph (Note: [The border's wrapper graph]) is built from
+      named functions, :func:`border_enter` and :func:`border_leave`, whose
+      arguments say everything (the mesh by its process-independent key,
+      :func:`~localmap_fx.compiler.cache_keys.mesh_constant`; placements,
+      shape, stride and dtype as constants), declared cacheable in a scoped
+      ``unsafe_marked_cacheable_functions``, so AOTAutogradCache keys it;
+    * AOTAutograd's own runtime runs it, over local tensors only (no
+      subclass runtime, no mesh input), between two autograd nodes of the
+      border: :class:`_Unwrap` (DTensor inputs to local tensors; in backward
+      the local gradients become DTensors in the placements the trace gave
+      them) and :class:`_Wrap` (local outputs to DTensors; in backward a
+      gradient in other placements than traced is redistributed, as
+      AOTAutograd does, then unwrapped);
+    * the placements each input's gradient gets are what the joint trace
+      recorded (``_Enter``'s backward).  A cache hit traces nothing, so the
+      border writes them beside torch's caches (``<inductor cache
+      dir>/localmap_fx/border_grads/<key>.json``, keyed by the wrapper's code
+      and its inputs' layouts) when it traces, and reads them on a hit.  A
+      hit without that file (a cache copied without it) compiles again with
+      AOTAutogradCache off: slower, never a guess.
+
+    One call costs three autograd nodes where the lean border has one
+    (microseconds, paid once per step by a whole model), so a graph whose
+    output feeds an input of the same spec (a stack's block, called per
+    layer) keeps the lean border and its plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from ..layer_sharing.runtime import Refusal
+from . import cache_keys
+from .dtensor_border import (
+    DTensorBorder,
+    Prepared,
+    _Calls,
+    _chained,
+    _convert,
+    _default_tangent,
+    _eager_grads,
+    _Enter,
+    _new_dtensor,
+    _respec,
+    _Slot,
+    _spec,
+    _wide_value,
+    _wrapper,
+    dtensor_border,
+    prepare,
+)
+
+__all__ = ["BORDER_ENTER", "BORDER_LEAVE", "CacheableBorder", "border_enter", "border_for", "border_leave",
+           "decode_placements", "encode_placements"]
+
+BORDER_ENTER = f"{__name__}.border_enter"
+BORDER_LEAVE = f"{__name__}.border_leave"
+# enters every key of a wrapper that calls them, and every gradient file: bump
+# it when what they do changes
+KEY_VERSION = "1"
+
+
+# --- placements as text: the wrapper's constants, the gradient files' entries ------
+
+def encode_placements(placements: Sequence[Any]) -> str | None:
+    """``"S(0),R,P(sum)"`` for (Shard(0), Replicate(), Partial("sum")); None
+    for a placement of another kind (``_StridedShard``, a norm Partial): such
+    a graph keeps the lean border."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    out = []
+    for p in placements:
+        if type(p) is Shard:
+            out.append(f"S({p.dim})")
+        elif type(p) is Replicate:
+            out.append("R")
+        elif type(p) is Partial and isinstance(p.reduce_op, str) and p.reduce_op.isidentifier():
+            out.append(f"P({p.reduce_op})")
+        else:
+            return None
+    return ",".join(out)
+
+
+def decode_placements(text: str) -> tuple:
+    """The placements :func:`encode_placements` wrote."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    out: list[Any] = []
+    for item in text.split(",") if text else ():
+        if item == "R":
+            out.append(Replicate())
+        elif item.startswith("S(") and item.endswith(")"):
+            out.append(Shard(int(item[2:-1])))
+        elif item.startswith("P(") and item.endswith(")"):
+            out.append(Partial(item[2:-1]))
+        else:
+            raise ValueError(f"localmap_fx: {item!r} is no placement this border wrote")
+    return tuple(out)
+
+
+# --- the wrapper's named functions ---------------------------------------------------
+
+@dataclasses.dataclass
+class _Recording:
+    """What a trace of the wrapper records: per input, its gradient's [spec, wide] (``_Enter``)."""
+
+    records: list[list]
+    traced: bool = False
+
+
+# set only while the border compiles its wrapper (one compile at a time per process)
+_RECORDING: list[_Recording] = []
+
+
+def border_enter(local: torch.Tensor, wide: torch.Tensor | None, mesh: Any, placements: str,
+                 shape: tuple, stride: tuple, dtype: torch.dtype, index: int) -> DTensor:
+    """The DTensor input ``index`` of the wrapped graph (traced by AOTAutograd only)."""
+    spec = _spec(mesh, decode_placements(placements), shape, stride, dtype)
+    record: list = []
+    if _RECORDING:
+        _RECORDING[-1].traced = True
+        record = _RECORDING[-1].records[index]
+    return _Enter.apply(local, wide, spec, record)
+
+
+def border_leave(out: DTensor, placements: str) -> torch.Tensor:
+    """A DTensor output's local tensor, its gradient read in ``placements`` (traced only)."""
+    return out.to_local(grad_placements=decode_placements(placements))
+
+
+class _Recorded:
+    def __init__(self, recording: _Recording) -> None:
+        self.recording = recording
+
+    def __enter__(self) -> _Recording:
+        _RECORDING.append(self.recording)
+        return self.recording
+
+    def __exit__(self, *exc: Any) -> None:
+        _RECORDING.pop()
+
+
+def _cacheable_scope():
+    """``unsafe_marked_cacheable_functions`` with the wrapper's functions (and
+    the mesh stand-in), for one compile."""
+    from .._torch_compat import inductor_config as config
+
+    return config.patch(unsafe_marked_cacheable_functions={
+        **config.unsafe_marked_cacheable_functions, cache_keys.MESH_CONSTANT: cache_keys.KEY_VERSION,
+        BORDER_ENTER: KEY_VERSION, BORDER_LEAVE: KEY_VERSION})
+
+
+# --- the gradient files ------------------------------------------------------------
+
+def _grads_key(wrapped: fx.GraphModule, local_inputs: Sequence[Any]) -> str:
+    layouts = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad) if isinstance(t, torch.Tensor)
+               else type(t).__name__ for t in local_inputs]
+    text = json.dumps([KEY_VERSION, torch.__version__, wrapped.code, layouts])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _grads_path(key: str) -> str:
+    from .._torch_compat import inductor_cache_dir
+
+    return os.path.join(inductor_cache_dir(), "localmap_fx", "border_grads", f"{key}.json")
+
+
+def _grads_entries(records: Sequence[list]) -> list | None:
+    """The records as JSON entries, None if one cannot be written."""
+    out: list = []
+    for r in records:
+        if not r:
+            out.append(None)
+            continue
+        spec, wide = r
+        text = encode_placements(spec.placements)
+        if text is None:
+            return None
+        meta = spec.tensor_meta
+        out.append([text, list(meta.shape), list(meta.stride), str(meta.dtype).removeprefix("torch."), bool(wide)])
+    return out
+
+
+def _save_grads(key: str, entries: list) -> None:
+    path = _grads_path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(entries, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the next process compiles without AOTAutogradCache's hit
+
+
+def _load_grads(key: str, meshes: Sequence[Any]) -> list[list] | None:
+    """Per input, [spec, wide] as ``_Enter`` records it, from the file; None when absent or unreadable."""
+    try:
+        with open(_grads_path(key)) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entries, list) or len(entries) != len(meshes):
+        return None
+    out: list[list] = []
+    for e, mesh in zip(entries, meshes):
+        if e is None:
+            out.append([])
+            continue
+        if mesh is None:
+            return None
+        try:
+            text, shape, stride, dtype, wide = e
+            out.append([_spec(mesh, decode_placements(text), shape, stride, getattr(torch, dtype)), bool(wide)])
+        except (TypeError, ValueError, AttributeError):
+            return None
+    return out
+
+
+# --- the border ----------------------------------------------------------------------
+
+class CacheableBorder:
+    """A compiled graph run between DTensors on AOTAutograd's runtime (Note: [A border torch's caches can serve])."""
+
+    def __init__(self, compiled: Callable, gm: fx.GraphModule, p: Prepared, records: Sequence[list],
+                 tangents: tuple, example_inputs: Sequence[Any], source: str) -> None:
+        self._compiled = compiled
+        self._gm, self._prepared = gm, p
+        self.inputs, self.outputs, self.wide = p.inputs, p.outputs, p.wide
+        self.tangents = tangents
+        self.source = source  # where the input gradients' placements came from
+        self._dt_inputs = tuple(i for i, s in enumerate(self.inputs) if s.spec is not None)
+        self._in_checks = tuple((i, self.inputs[i].spec.placements, torch.Size(self.inputs[i].shape))
+                                for i in self._dt_inputs)
+        self._needs_grad = tuple(bool(example_inputs[i].requires_grad) for i in self._dt_inputs)
+        self._wide_values = tuple(_wide_value(example_inputs[i]) for i in self.wide)
+        self._wide_at = {i: len(self._dt_inputs) + k for k, i in enumerate(self.wide)}
+        self._in_grads = tuple((r[0], bool(r[1])) if r else (None, False)
+                               for r in (records[i] for i in self._dt_inputs))
+        self._dt_outputs = tuple(i for i, s in enumerate(self.outputs) if s.spec is not None)
+        self._out_specs = tuple(self.outputs[i].spec for i in self._dt_outputs)
+        # per DTensor output: the spec its gradient is traced in
+        self._tangent_specs = tuple(_respec(self.outputs[i].spec, tangents[i]) for i in self._dt_outputs)
+        # arrived tangents -> {k: the spec eager gives DTensor input k's gradient}
+        self._regrads: dict[tuple, dict[int, Any]] = {}
+
+    def text(self) -> str:
+        return (f"DTensor border, AOTAutograd's runtime (torch's caches serve it): "
+                f"{len(self._dt_inputs)} DTensor inputs, {len(self._dt_outputs)} DTensor outputs; "
+                f"input gradients' placements from {self.source}")
+
+    def __call__(self, *args: Any) -> Any:
+        for i, placements, shape in self._in_checks:
+            a = args[i]
+            if type(a) is not DTensor or a.placements != placements or a.shape != shape:
+                got = f"{type(a).__name__} {getattr(a, 'placements', '')} {tuple(getattr(a, 'shape', ()))}"
+                raise RuntimeError(
+                    f"localmap_fx: input {i} of a compiled graph is {got}, traced as DTensor {placements} "
+                    f"{tuple(shape)}; the compiled code would misread it")
+        state = _CallState()
+        local = _Unwrap.apply(self, state, *(args[i] for i in self._dt_inputs))
+        call = list(args)
+        for k, i in enumerate(self._dt_inputs):
+            call[i] = local[k]
+        call += local[len(self._dt_inputs):]
+        outs = list(self._compiled(*call))
+        wrapped = _Wrap.apply(self, state, *(outs[i] for i in self._dt_outputs))
+        for k, i in enumerate(self._dt_outputs):
+            outs[i] = wrapped[k]
+        return tuple(outs)
+
+    def regrad_for(self, arrived: tuple) -> dict[int, Any]:
+        """For gradients that arrived in ``arrived`` (per graph output) where
+        the trace assumed others: the specs eager DTensor gives the DTensor
+        inputs' gradients, where they differ from the traced ones (as the lean
+        border's plan does; Note: [The gradient a stack sends back])."""
+        regrad = self._regrads.get(arrived)
+        if regrad is None:
+            p = self._prepared
+            try:
+                wanted = _eager_grads(self._gm, p.local_inputs, p.fake_mode, p.inputs, p.outputs, arrived, p.wide)
+            except RuntimeError:
+                # eager cannot run the graph on the fakes: the traced
+                # placements, the same values
+                wanted = (None,) * len(p.inputs)
+            regrad = {k: _respec(spec, wanted[i]) for k, (i, (spec, _)) in enumerate(zip(self._dt_inputs, self._in_grads))
+                      if spec is not None and wanted[i] is not None and tuple(wanted[i]) != tuple(spec.placements)}
+            self._regrads[arrived] = regrad
+        return regrad
+
+
+class _CallState:
+    """One call's note from its _Wrap backward to its _Unwrap backward (which runs after it)."""
+
+    __slots__ = ("regrad",)
+
+    def __init__(self) -> None:
+        self.regrad: dict[int, Any] | None = None
+
+
+class _Unwrap(torch.autograd.Function):
+    """DTensor inputs -> their local tensors, then one value per wide slot."""
+
+    @staticmethod
+    def forward(ctx, border: CacheableBorder, state: _CallState, *inputs: DTensor):
+        ctx.border, ctx.state = border, state
+        ctx.set_materialize_grads(False)
+        local = [t._local_tensor.view_as(t._local_tensor) for t in inputs]
+        wides = [v.view_as(v) for v in border._wide_values]
+        ctx.mark_non_differentiable(*(t for t, needs in zip(local, border._needs_grad) if not needs))
+        return (*local, *wides)
+
+    # Note: [A compiled backward is no frame for Dynamo] (compiler/dtensor_border.py)
+    @staticmethod
+    @torch.compiler.disable(reason="a compiled graph's backward runs as compiled")
+    def backward(ctx, *grads: torch.Tensor | None):
+        border: CacheableBorder = ctx.border
+        regrad = ctx.state.regrad
+        out: list[Any] = []
+        for k, (i, (spec, wide)) in enumerate(zip(border._dt_inputs, border._in_grads)):
+            g = grads[border._wide_at[i]] if wide else grads[k]
+            if g is None:
+                out.append(None)
+                continue
+            if spec is None:
+                raise RuntimeError(f"localmap_fx: DTensor input {i} got a gradient its trace did not record")
+            target = regrad.get(k) if regrad else None
+            out.append(_new_dtensor(g, spec) if target is None else _convert(g, spec, target))
+        return (None, None, *out)
+
+
+class _Wrap(torch.autograd.Function):
+    """Local outputs -> DTensors; in backward, DTensor gradients -> local tensors in the traced placements."""
+
+    @staticmethod
+    def forward(ctx, border: CacheableBorder, state: _CallState, *local: torch.Tensor):
+        ctx.border, ctx.state = border, state
+        ctx.set_materialize_grads(False)
+        # the local tensors are the compiled function's outputs, which require grad
+        outs = tuple(_new_dtensor(t.detach(), spec) for t, spec in zip(local, border._out_specs))
+        ctx.mark_non_differentiable(*(o for o, t in zip(outs, local) if not t.requires_grad))
+        return outs
+
+    @staticmethod
+    @torch.compiler.disable(reason="a compiled graph's backward runs as compiled")
+    def backward(ctx, *grads: Any):
+        border: CacheableBorder = ctx.border
+        out: list[Any] = []
+        arrived: list | None = None
+        for k, (g, spec) in enumerate(zip(grads, border._tangent_specs)):
+            if g is None:
+                out.append(None)
+                continue
+            if not isinstance(g, DTensor):
+                raise RuntimeError(
+                    f"localmap_fx: the gradient of output {border._dt_outputs[k]} of a compiled graph is a "
+                    f"{type(g).__name__}, not a DTensor like the output")
+            if g.placements != spec.placements:
+                # AOTAutograd's way: a gradient is read in the placements traced
+                # ...and the input gradients get the placements eager gives them
+                if arrived is None:
+                    arrived = list(border.tangents)
+                arrived[border._dt_outputs[k]] = tuple(g.placements)
+                g = _convert(g._local_tensor, g._spec, spec)
+            out.append(g._local_tensor)
+        if arrived is not None:
+            ctx.state.regrad = border.regrad_for(tuple(arrived))
+        return (None, None, *out)
+
+
+class _NamedCalls(_Calls):
+    """The wrapper's enter and leave as calls of :func:`border_enter` and
+    :func:`border_leave` whose arguments are constants (the mesh by its key)."""
+
+    def __init__(self, mesh_keys: dict[int, str]) -> None:
+        super().__init__()
+        self.mesh_keys = mesh_keys
+        self.mesh_nodes: dict[int, fx.Node] = {}
+
+    def enter(self, g: fx.Graph, i: int, slot: _Slot, local: fx.Node, wide: fx.Node | None) -> fx.Node:
+        mesh = slot.spec.mesh
+        if id(mesh) not in self.mesh_nodes:
+            self.mesh_nodes[id(mesh)] = g.call_function(cache_keys.mesh_constant, (self.mesh_keys[id(mesh)],))
+        meta = slot.spec.tensor_meta
+        return g.call_function(border_enter, (
+            local, wide, self.mesh_nodes[id(mesh)], encode_placements(slot.spec.placements),
+            tuple(meta.shape), tuple(meta.stride), meta.dtype, i))
+
+    def leave(self, g: fx.Graph, out: fx.Node, placements: Any) -> fx.Node:
+        return g.call_function(border_leave, (out, encode_placements(placements)))
+
+
+def border_for(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_one: Callable,
+               cacheable: bool) -> DTensorBorder | CacheableBorder | Refusal:
+    """``gm`` compiled behind a DTensor border: a :class:`CacheableBorder`
+    when ``cacheable`` (torch's caches are on) and ``gm`` is a Dynamo frame
+    with no output chained to an input, else the lean
+    :class:`~localmap_fx.compiler.dtensor_border.DTensorBorder`; or why it
+    keeps AOTAutograd's runtime."""
+    p = prepare(gm, example_inputs)
+    if isinstance(p, Refusal):
+        return p
+    if cacheable and "dynamo_compile_id" in gm.meta and not _chained(p.inputs, p.outputs, example_inputs):
+        border = cacheable_border(gm, example_inputs, p, compile_one)
+        if border is not None:
+            return border
+    return dtensor_border(gm, example_inputs, compile_one, p)
+
+
+def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepared,
+                     compile_one: Callable) -> CacheableBorder | None:
+    """``gm`` compiled behind a :class:`CacheableBorder`, or None when its
+    placements or meshes cannot be written as constants (the lean border then
+    compiles it)."""
+    from .._torch_compat import functorch_config
+
+    inputs, outputs, wide, local_inputs = p.inputs, p.outputs, p.wide, p.local_inputs
+    mesh_keys: dict[int, str] = {}
+    for s in (*inputs, *outputs):
+        if s.spec is None:
+            continue
+        if encode_placements(s.spec.placements) is None:
+            return None
+        key = cache_keys.keep_mesh(s.spec.mesh)
+        if key is None:
+            return None
+        mesh_keys[id(s.spec.mesh)] = key
+    tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
+    wrapped = _wrapper(gm, inputs, outputs, tangents, (), wide, _NamedCalls(mesh_keys))
+    key = _grads_key(wrapped, local_inputs)
+    in_meshes = [s.spec.mesh if s.spec is not None else None for s in inputs]
+
+    def compile_recording(aot_cache: bool = True) -> tuple[Any, _Recording]:
+        recording = _Recording([[] for _ in inputs])
+        with _cacheable_scope(), _Recorded(recording), functorch_config.patch(
+                enable_autograd_cache=functorch_config.enable_autograd_cache and aot_cache):
+            return compile_one(wrapped, list(local_inputs), as_is=True), recording
+
+    compiled, recording = compile_recording()
+    records, source = recording.records, "the trace"
+    if not recording.traced:
+        loaded = _load_grads(key, in_meshes)
+        if loaded is not None:
+            records, source = loaded, "the border's gradient file (AOTAutogradCache hit)"
+        else:
+            compiled, recording = compile_recording(aot_cache=False)
+            records, source = recording.records, "the trace (AOTAutogradCache hit without a gradient file)"
+    if recording.traced:
+        entries = _grads_entries(records)
+        if entries is not None:
+            _save_grads(key, entries)
+    return CacheableBorder(compiled.fn, gm, p, records, tangents, example_inputs, source)
