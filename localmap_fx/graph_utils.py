@@ -38,6 +38,7 @@ import torch.fx as fx
 from ._torch_compat import OpOverload, OpOverloadPacket
 
 __all__ = [
+    "calls_invoke_subgraph",
     "is_input_to_local",
     "node_value",
     "binds_unbacked_symbols",
@@ -197,6 +198,14 @@ def mesh_dim_names(mesh: Any) -> tuple[str, ...]:
         return tuple(names)
     ndim = len(mesh.mesh_shape) if hasattr(mesh, "mesh_shape") else mesh.ndim
     return tuple(str(i) for i in range(ndim))
+
+
+def calls_invoke_subgraph(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls ``invoke_subgraph`` (AOTAutogradCache is kept off
+    for such a graph: compiler/inner.py)."""
+    import torch
+
+    return bool(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
 
 
 def subgraph_attr(call: fx.Node) -> fx.Node:

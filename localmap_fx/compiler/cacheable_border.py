@@ -50,6 +50,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
+from ..graph_utils import calls_invoke_subgraph
 from ..layer_sharing.runtime import Refusal
 from . import cache_keys
 from .dtensor_border import (
@@ -254,10 +255,15 @@ class CacheableBorder:
         self._in_checks = tuple((i, self.inputs[i].spec.placements, torch.Size(self.inputs[i].shape))
                                 for i in self._dt_inputs)
         self._needs_grad = tuple(bool(example_inputs[i].requires_grad) for i in self._dt_inputs)
-        self._wide_values = tuple(_wide_value(example_inputs[i]) for i in self.wide)
-        self._wide_at = {i: len(self._dt_inputs) + k for k, i in enumerate(self.wide)}
         self._in_grads = tuple((r[0], bool(r[1])) if r else (None, False)
                                for r in (records[i] for i in self._dt_inputs))
+        # Note: [A gradient wider than its input]: only a wide slot its
+        # gradient left through needs a fresh value that requires grad each
+        # call (the others are passed as they are: their gradient is dropped)
+        self._wide_values = tuple(_wide_value(example_inputs[i]) for i in self.wide)
+        used = {i for i, (_, wide) in zip(self._dt_inputs, self._in_grads) if wide}
+        self._used_wide = tuple(k for k, i in enumerate(self.wide) if i in used)
+        self._wide_at = {i: len(self._dt_inputs) + n for n, i in enumerate(i for i in self.wide if i in used)}
         self._dt_outputs = tuple(i for i, s in enumerate(self.outputs) if s.spec is not None)
         self._out_specs = tuple(self.outputs[i].spec for i in self._dt_outputs)
         # per DTensor output: the spec its gradient is traced in
@@ -283,7 +289,10 @@ class CacheableBorder:
         call = list(args)
         for k, i in enumerate(self._dt_inputs):
             call[i] = local[k]
-        call += local[len(self._dt_inputs):]
+        wides = list(self._wide_values)
+        for n, k in enumerate(self._used_wide):
+            wides[k] = local[len(self._dt_inputs) + n]
+        call += wides
         outs = list(self._compiled(*call))
         wrapped = _Wrap.apply(self, state, *(outs[i] for i in self._dt_outputs))
         for k, i in enumerate(self._dt_outputs):
@@ -327,7 +336,7 @@ class _Unwrap(torch.autograd.Function):
         ctx.border, ctx.state = border, state
         ctx.set_materialize_grads(False)
         local = [t._local_tensor.view_as(t._local_tensor) for t in inputs]
-        wides = [v.view_as(v) for v in border._wide_values]
+        wides = [border._wide_values[k].view_as(border._wide_values[k]) for k in border._used_wide]
         ctx.mark_non_differentiable(*(t for t, needs in zip(local, border._needs_grad) if not needs))
         return (*local, *wides)
 
@@ -415,13 +424,15 @@ def border_for(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_one: C
                cacheable: bool) -> DTensorBorder | CacheableBorder | Refusal:
     """``gm`` compiled behind a DTensor border: a :class:`CacheableBorder`
     when ``cacheable`` (torch's caches are on) and ``gm`` is a Dynamo frame
-    with no output chained to an input, else the lean
+    with no output chained to an input and no ``invoke_subgraph`` call
+    (AOTAutogradCache is kept off for those), else the lean
     :class:`~localmap_fx.compiler.dtensor_border.DTensorBorder`; or why it
     keeps AOTAutograd's runtime."""
     p = prepare(gm, example_inputs)
     if isinstance(p, Refusal):
         return p
-    if cacheable and "dynamo_compile_id" in gm.meta and not _chained(p.inputs, p.outputs, example_inputs):
+    if (cacheable and "dynamo_compile_id" in gm.meta and not _chained(p.inputs, p.outputs, example_inputs)
+            and not calls_invoke_subgraph(gm)):
         border = cacheable_border(gm, example_inputs, p, compile_one)
         if border is not None:
             return border
@@ -470,4 +481,5 @@ def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepa
         entries = _grads_entries(records)
         if entries is not None:
             _save_grads(key, entries)
+    cache_keys.log.info("DTensor border, AOTAutograd's runtime: input gradients' placements from %s", source)
     return CacheableBorder(compiled.fn, gm, p, records, tangents, example_inputs, source)

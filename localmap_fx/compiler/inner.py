@@ -117,6 +117,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     import torch
 
     from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
+    from ..graph_utils import calls_invoke_subgraph
     from ..passes import apply
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
     from . import cache_keys
@@ -138,8 +139,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     # serve an artifact compiled without hoist_subgraph_views, and it never calls
     # inner_compile, so nothing would be kept.  Inductor's own cache stays on (it
     # keys on the graph after the pass).
-    no_aot_cache = keep is not None or any(
-        gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+    no_aot_cache = keep is not None or calls_invoke_subgraph(gm)
     # Note: [The mesh out of the cache key] (cache_keys.py); a kept piece's
     # callers index its inputs, so it keeps them.
     gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys

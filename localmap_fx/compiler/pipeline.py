@@ -27,9 +27,12 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
                          hoist_subgraph_views; a graph with DTensor inputs or
-                         outputs compiled whole runs behind the lean DTensor
-                         border (compiler/dtensor_border.py) unless it refuses,
-                         its mesh inputs lifted out of the graph it compiles;
+                         outputs compiled whole runs behind a DTensor border
+                         unless it refuses: a frame with no output chained to
+                         an input, under Inductor with torch's caches on, the
+                         one AOTAutogradCache serves (compiler/cacheable_border.py),
+                         else the lean one (compiler/dtensor_border.py); its
+                         mesh inputs lifted out of the graph it compiles;
                          with stable_cache_keys (no border) the mesh inputs leave
                          the graph handed to AOTAutograd (compiler/cache_keys.py)
     layer_runs           consecutive shared layers run as one LayerRun

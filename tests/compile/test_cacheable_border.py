@@ -171,6 +171,23 @@ def test_a_user_reading_aot_graphs_gets_the_lean_border():
     assert graphs == ["forward", "backward"]
 
 
+def test_a_graph_calling_invoke_subgraph_gets_the_lean_border():
+    """Outlined region bodies (``share_layers=False``): AOTAutogradCache is
+    kept off for such a graph, so nothing would serve the cacheable border."""
+    import warnings
+
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    model, x = TPStack(mesh, 2, d=16, hidden=32), tp_stack_input(mesh, 8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # outline=True under inductor warns
+        backend, seen = _recording(share_layers=False)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x).backward()
+    assert isinstance(seen[0], DTensorBorder), seen
+
+
 def test_caches_off_gets_the_lean_border():
     from localmap_fx._torch_compat import functorch_config
 
