@@ -148,3 +148,111 @@ def test_torch_parallelized_block_converts_a_partial_gradient():
     _step(blocks, distribute_tensor(torch.randn(2, 8, D), mesh, [Replicate()]).requires_grad_())
     (border,) = seen
     assert border.plan.text() == "compile (R); convert (P(sum))"
+
+
+class _Whole(nn.Module):
+    """The blocks and the loss, compiled as one frame."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return (x * x).sum()
+
+
+def _whole_vs_eager(rank: int, world_size: int, device: str) -> dict:
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh(device, (world_size,))
+    full = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    for name, impl, backend in (("eager", "ours", None), ("upstream", "torch", "inductor"),
+                                ("ours", "ours", "localmap_fx")):
+        torch._dynamo.reset()
+        counters.clear()
+        blocks = _blocks(mesh, impl)
+        model = _Whole(blocks)
+        run = torch.compile(model, backend=backend) if backend else model
+        x = distribute_tensor(full, mesh, [Replicate()]).requires_grad_()
+        leaves = [x, *blocks.parameters()]
+        for _ in range(2):  # the second step runs what the first compiled
+            for t in leaves:
+                t.grad = None
+            loss = run(x)
+            loss.backward()
+        out[name] = {
+            "values": [loss.full_tensor()] + [t.grad.full_tensor() for t in leaves],
+            "placements": [tuple(t.grad.placements) for t in leaves],
+            "frames": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+        }
+    return out
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_torch_parallelized_model_compiled_whole_equals_eager():
+    """The whole model (the loss inside) behind the border torch's caches
+    serve (Note: [A border torch's caches can serve]): one frame, no break,
+    eager's values and placements, as upstream ``backend="inductor"``."""
+    from localmap_fx.testing.dist import run_ranks
+
+    for rank in run_ranks(_whole_vs_eager, world_size=2, timeout=900):
+        eager, upstream, ours = rank["eager"], rank["upstream"], rank["ours"]
+        assert (ours["frames"], ours["breaks"]) == (upstream["frames"], upstream["breaks"]) == (1, 0)
+        assert ours["placements"] == eager["placements"] == upstream["placements"]
+        for a, b in zip(eager["values"], ours["values"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * (1 + a.abs().max().item()))
+
+
+@pytest.mark.inductor
+def test_torch_parallelized_model_compiled_whole_is_served_by_torchs_caches():
+    """Compiled twice in one process (``torch._dynamo.reset()`` between, as a
+    new process would): the second compile is an AOTAutogradCache hit, reads
+    the input gradients' placements from the border's file, and gives the
+    first compile's numbers."""
+    import inspect
+
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from localmap_fx.compiler.cacheable_border import CacheableBorder
+    from localmap_fx.compiler.options import BackendOptions
+    from localmap_fx.compiler.pipeline import compile_graph
+
+    from helpers import mesh_1d
+
+    mesh = mesh_1d()
+    runs = []
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            seen: list = []
+
+            def backend(gm, example_inputs, seen=seen):
+                fn = compile_graph(gm, example_inputs, BackendOptions())
+                seen.append(inspect.unwrap(fn))
+                return fn
+
+            blocks = _blocks(mesh, "ours")
+            x = distribute_tensor(torch.randn(2, 8, D, generator=torch.Generator().manual_seed(1)), mesh,
+                                  [Replicate()]).requires_grad_()
+            loss = torch.compile(_Whole(blocks), backend=backend)(x)
+            loss.backward()
+            leaves = [x, *blocks.parameters()]
+            runs.append((seen, dict(counters["aot_autograd"]), [loss.to_local()] + [t.grad.to_local() for t in leaves],
+                         [tuple(t.grad.placements) for t in leaves]))
+    (s1, c1, v1, p1), (s2, c2, v2, p2) = runs
+    assert isinstance(s1[0], CacheableBorder) and isinstance(s2[0], CacheableBorder), (s1, s2)
+    assert c1.get("autograd_cache_saved") == 1 and c2.get("autograd_cache_hit") == 1, (c1, c2)
+    assert "gradient file" in s2[0].text()
+    assert p1 == p2
+    assert all(torch.equal(a, b) for a, b in zip(v1, v2))
