@@ -119,7 +119,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("compile_fx", "torch._inductor.compile_fx", "compile_fx", CHECKED,
            "the inductor inner compiler"),
     Symbol("inductor_cache_dir", "torch._inductor.runtime.cache_dir_utils", "cache_dir", CHECKED,
-           "the lean border's gradient files live beside torch's caches"),
+           "the cacheable DTensor border's gradient files live beside torch's caches"),
     Symbol("compile_fx_inner", "torch._inductor.compile_fx", "compile_fx_inner", CHECKED,
            "the inductor inner compiler, forward and backward graphs"),
     Symbol("TracingContext", "torch._guards", "TracingContext", CHECKED,
@@ -208,7 +208,8 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("compute_global_tensor_info", f"{_DT}._utils", "compute_global_tensor_info", CHECKED,
            "eager from_local computes the global shape as DTensor.from_local does"),
     Symbol("StridedShard", f"{_DT}.placement_types", "_StridedShard", CHECKED,
-           "negative shard dims are normalised for _StridedShard as for Shard"),
+           "negative shard dims are normalised for _StridedShard as for Shard; the cacheable border "
+           "writes it as a constant"),
 )
 
 PRIVATE_ATTRIBUTES: tuple[PrivateAttribute, ...] = (

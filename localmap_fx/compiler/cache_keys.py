@@ -31,7 +31,23 @@ Note: [The mesh out of the cache key]
     (16-layer TP stack, B 16 D 32 H 64, fake process group, CPU: 2.47 ms step
     against 2.40 ms, +3%).  That price belongs to AOTAutograd's subclass
     runtime; where the backend's own runtime takes the DTensors, the lift is
-    free and always on (Note: [Stable keys behind the border]).
+    free and always on (Note: [A trace belongs to its rank]
+    AOTAutogradCache keys the graph *before* it is traced, and a DTensor
+    trace bakes in this process's coordinate in the mesh (the offset of a
+    ``Replicate -> Shard`` chunk in a backward, which rank keeps a
+    ``Partial``'s value).  Ranks on one host share the cache folder
+    (``/tmp/torchinductor_<user>`` by default), so a key without the rank let
+    rank 1 load rank 0's artifact: the forward right, every gradient wrong
+    (2 gloo ranks, a column/row stack with a ``Shard(1)`` input: relative
+    errors 0.34-0.76 on the second run, found by
+    ``tests/distributed/test_models.py::test_inductor_gradients_after_reduce_scatter``
+    once whole models hit AOTAutogradCache by default).  Upstream never hits,
+    so never met it.  The mesh's key says where this process sits in it
+    (``at (1,)``), so every key that holds ``mesh_constant`` is per rank.
+    Inductor's FX graph cache keys the traced graph, whose constants already
+    differ by rank.
+
+Note: [Stable keys behind the border]).
 
 Note: [Stable keys behind the border]
     The key Inductor's FX graph cache computes pickles the forward graph's
@@ -102,7 +118,7 @@ __all__ = [
 # what unsafe_marked_cacheable_functions calls mesh_constant
 MESH_CONSTANT = f"{__name__}.mesh_constant"
 # enters every key that holds mesh_constant: bump it when the lifted graph changes meaning
-KEY_VERSION = "1"
+KEY_VERSION = "2"
 
 # key -> a live mesh of that description, for tracing in this process; weak so
 # that compiling never keeps a mesh (and its process groups) alive.
@@ -110,17 +126,19 @@ _MESHES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def mesh_key(mesh: Any) -> str | None:
-    """A process-independent description of ``mesh``, None if it has no process groups.
+    """A process-independent description of ``mesh`` as this rank sees it,
+    None if it has no process groups.
 
     Two meshes with one key use the same ranks, dimension names and process
-    groups, so tracing with either gives the same graph.
+    groups, and this process has the same coordinate in both, so tracing
+    with either gives the same graph (Note: [A trace belongs to its rank]).
     """
     try:
         groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
     except (RuntimeError, ValueError, AttributeError):
         return None
     return (f"{mesh.device_type}|{tuple(mesh.shape)}|{mesh.mesh.flatten().tolist()}|"
-            f"{mesh.mesh_dim_names}|{groups}")
+            f"{mesh.mesh_dim_names}|{groups}|at {mesh.get_coordinate()}")
 
 
 def keep_mesh(mesh: Any) -> str | None:
@@ -224,7 +242,7 @@ def lift_mesh_inputs(gm: fx.GraphModule, found: Sequence[MeshInput],
         before                                   after
         ------                                   -----
         def forward(self, x, mesh):              def forward(self, x):
-                                                     mesh = mesh_constant("cpu|(2,)|[0, 1]|('tp',)|('0',)")
+                                                     mesh = mesh_constant("cpu|(2,)|[0, 1]|('tp',)|('0',)|at (0,)")
             y = from_local(x, mesh, ...)             y = from_local(x, mesh, ...)
     """
     if not found:

@@ -40,9 +40,12 @@ Note: [A border torch's caches can serve]
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,17 +85,33 @@ BORDER_LEAVE = f"{__name__}.border_leave"
 KEY_VERSION = "1"
 
 
+@functools.cache
+def _version() -> str:
+    """What the wrapper's named calls do, in every key that holds them: the
+    key version, and the source of the code they run (an edit of it must not
+    let a cache serve an artifact traced with the old one)."""
+    from . import dtensor_border
+
+    parts = [KEY_VERSION] + [inspect.getsource(f) for f in (
+        border_enter, border_leave, decode_placements, dtensor_border._Enter, dtensor_border._spec)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 # --- placements as text: the wrapper's constants, the gradient files' entries ------
 
 def encode_placements(placements: Sequence[Any]) -> str | None:
-    """``"S(0),R,P(sum)"`` for (Shard(0), Replicate(), Partial("sum")); None
-    for a placement of another kind (``_StridedShard``, a norm Partial): such
-    a graph keeps the lean border."""
+    """``"S(0),R,P(sum)"`` for (Shard(0), Replicate(), Partial("sum")),
+    ``SS(0,2)`` for a ``_StridedShard``; None for a placement of another kind
+    (a norm Partial): such a graph keeps the lean border."""
     from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from .._torch_compat import StridedShard
 
     out = []
     for p in placements:
-        if type(p) is Shard:
+        if type(p) is StridedShard:
+            out.append(f"SS({p.dim},{p.split_factor})")
+        elif type(p) is Shard:
             out.append(f"S({p.dim})")
         elif type(p) is Replicate:
             out.append("R")
@@ -107,9 +126,17 @@ def decode_placements(text: str) -> tuple:
     """The placements :func:`encode_placements` wrote."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
+    from .._torch_compat import StridedShard
+
+    items = re.findall(r"[A-Z]+\([^)]*\)|R", text)
+    if ",".join(items) != text:
+        raise ValueError(f"localmap_fx: {text!r} is no placements text this border wrote")
     out: list[Any] = []
-    for item in text.split(",") if text else ():
-        if item == "R":
+    for item in items:
+        if item.startswith("SS(") and item.endswith(")"):
+            dim, factor = item[3:-1].split(",")
+            out.append(StridedShard(int(dim), split_factor=int(factor)))
+        elif item == "R":
             out.append(Replicate())
         elif item.startswith("S(") and item.endswith(")"):
             out.append(Shard(int(item[2:-1])))
@@ -127,7 +154,6 @@ class _Recording:
     """What a trace of the wrapper records: per input, its gradient's [spec, wide] (``_Enter``)."""
 
     records: list[list]
-    traced: bool = False
 
 
 # set only while the border compiles its wrapper (one compile at a time per process)
@@ -138,10 +164,7 @@ def border_enter(local: torch.Tensor, wide: torch.Tensor | None, mesh: Any, plac
                  shape: tuple, stride: tuple, dtype: torch.dtype, index: int) -> DTensor:
     """The DTensor input ``index`` of the wrapped graph (traced by AOTAutograd only)."""
     spec = _spec(mesh, decode_placements(placements), shape, stride, dtype)
-    record: list = []
-    if _RECORDING:
-        _RECORDING[-1].traced = True
-        record = _RECORDING[-1].records[index]
+    record = _RECORDING[-1].records[index] if _RECORDING else []
     return _Enter.apply(local, wide, spec, record)
 
 
@@ -169,15 +192,19 @@ def _cacheable_scope():
 
     return config.patch(unsafe_marked_cacheable_functions={
         **config.unsafe_marked_cacheable_functions, cache_keys.MESH_CONSTANT: cache_keys.KEY_VERSION,
-        BORDER_ENTER: KEY_VERSION, BORDER_LEAVE: KEY_VERSION})
+        BORDER_ENTER: _version(), BORDER_LEAVE: _version()})
 
 
 # --- the gradient files ------------------------------------------------------------
 
 def _grads_key(wrapped: fx.GraphModule, local_inputs: Sequence[Any]) -> str:
+    """The gradient file's key: the code of the wrapper and of every module
+    under it (a higher-order op's body, such as a checkpointed function's,
+    lives in a submodule), its inputs' layouts, and the versions."""
     layouts = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad) if isinstance(t, torch.Tensor)
                else type(t).__name__ for t in local_inputs]
-    text = json.dumps([KEY_VERSION, torch.__version__, wrapped.code, layouts])
+    codes = [(name, m.code) for name, m in wrapped.named_modules() if isinstance(m, fx.GraphModule)]
+    text = json.dumps([_version(), torch.__version__, codes, layouts])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -309,7 +336,7 @@ class CacheableBorder:
             p = self._prepared
             try:
                 wanted = _eager_grads(self._gm, p.local_inputs, p.fake_mode, p.inputs, p.outputs, arrived, p.wide)
-            except RuntimeError:
+            except Exception:  # noqa: BLE001  (inside a backward: any failure keeps the traced placements)
                 # eager cannot run the graph on the fakes: the traced
                 # placements, the same values
                 wanted = (None,) * len(p.inputs)
@@ -393,8 +420,8 @@ class _Wrap(torch.autograd.Function):
                 arrived[border._dt_outputs[k]] = tuple(g.placements)
                 g = _convert(g._local_tensor, g._spec, spec)
             out.append(g._local_tensor)
-        if arrived is not None:
-            ctx.state.regrad = border.regrad_for(tuple(arrived))
+        # assigned each backward: a retained graph's next backward may see other placements
+        ctx.state.regrad = border.regrad_for(tuple(arrived)) if arrived is not None else None
         return (None, None, *out)
 
 
@@ -462,22 +489,24 @@ def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepa
     key = _grads_key(wrapped, local_inputs)
     in_meshes = [s.spec.mesh if s.spec is not None else None for s in inputs]
 
-    def compile_recording(aot_cache: bool = True) -> tuple[Any, _Recording]:
+    def compile_recording(aot_cache: bool = True) -> tuple[Any, _Recording, bool]:
+        """(compiled, what its trace recorded, whether AOTAutogradCache served it: nothing traced)."""
         recording = _Recording([[] for _ in inputs])
+        before = cache_keys.CacheCounts.now()
         with _cacheable_scope(), _Recorded(recording), functorch_config.patch(
                 enable_autograd_cache=functorch_config.enable_autograd_cache and aot_cache):
-            return compile_one(wrapped, list(local_inputs), as_is=True), recording
+            compiled = compile_one(wrapped, list(local_inputs), as_is=True)
+        return compiled, recording, cache_keys.CacheCounts.now().since(before).aot_hit > 0
 
-    compiled, recording = compile_recording()
+    compiled, recording, hit = compile_recording()
     records, source = recording.records, "the trace"
-    if not recording.traced:
-        loaded = _load_grads(key, in_meshes)
-        if loaded is not None:
-            records, source = loaded, "the border's gradient file (AOTAutogradCache hit)"
-        else:
-            compiled, recording = compile_recording(aot_cache=False)
-            records, source = recording.records, "the trace (AOTAutogradCache hit without a gradient file)"
-    if recording.traced:
+    loaded = _load_grads(key, in_meshes) if hit else None
+    if loaded is not None:
+        records, source = loaded, "the border's gradient file (AOTAutogradCache hit)"
+    elif hit:
+        compiled, recording, _ = compile_recording(aot_cache=False)
+        records, source = recording.records, "the trace (AOTAutogradCache hit without a gradient file)"
+    if loaded is None:
         entries = _grads_entries(records)
         if entries is not None:
             _save_grads(key, entries)

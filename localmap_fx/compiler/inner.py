@@ -53,7 +53,7 @@ class Compiled:
 # AOTAutograd hands its graphs to callbacks; the compile function appends
 # them here (None: not asked for)
 Kept = list[AotGraph] | None
-# compile_one(gm, example_inputs, aot_graphs=False, on_joint=None) -> Compiled
+# compile_one(gm, example_inputs, aot_graphs=False, on_joint=None, as_is=False) -> Compiled
 CompileOne = Callable[..., Compiled]
 # on_joint(joint_graph): reads AOTAutograd's joint graph, changes nothing
 OnJoint = Callable[[fx.Graph], None]

@@ -92,12 +92,23 @@ def test_placements_are_written_and_read_back():
     assert encode_placements((Shard(1), Partial())) == "S(1),P(sum)"
 
 
-def test_a_placement_of_another_kind_is_not_written():
+def test_a_strided_shard_is_written_and_read_back():
     from localmap_fx._torch_compat import StridedShard
 
-    assert encode_placements((StridedShard(0, split_factor=2),)) is None
+    placements = (StridedShard(0, split_factor=2), Shard(1))
+    assert encode_placements(placements) == "SS(0,2),S(1)"
+    assert decode_placements("SS(0,2),S(1)") == placements
+
+
+def test_a_placement_of_another_kind_is_not_written():
+    class Odd(Replicate):
+        pass
+
+    assert encode_placements((Odd(),)) is None
     with pytest.raises(ValueError, match="no placement this border wrote"):
         decode_placements("X(0)")
+    with pytest.raises(ValueError, match="no placements text"):
+        decode_placements("R,,S(0)")
 
 
 # --- which graphs it runs ----------------------------------------------------------------
@@ -147,6 +158,109 @@ def test_a_cache_hit_reads_the_gradient_placements_from_the_file():
     for got in (g1, g2, g3):
         _same(eager, got, exact=False)
     _same(g1, g2)
+
+
+def _checkpointed(body):
+    from torch.utils.checkpoint import checkpoint
+
+    def f(x, w1, w2):
+        y = checkpoint(body, x, w1, w2, use_reentrant=False)
+        return (y.redistribute(x.device_mesh, [Replicate()]) ** 2).sum()
+
+    return f
+
+
+def _body_partial(x, w1, w2):
+    return torch.relu(x @ w1) @ w2
+
+
+def _body_gathered(x, w1, w2):
+    return torch.relu(x @ w1).redistribute(placements=[Replicate()]) @ w2
+
+
+def test_the_gradient_file_is_keyed_on_subgraph_bodies_too():
+    """Found by a review: two frames whose top-level code is the same (a
+    checkpointed body, in a submodule of the graph) got one gradient file, so
+    a cache hit on the first read the second's placements (``w2.grad`` was
+    None).  Each frame now has its own file, and every hit gives eager's
+    placements."""
+    from torch._inductor.utils import fresh_cache
+
+    x, w1, w2 = _dt((8, 16), [Replicate()], 0), _dt((16, 32), [Shard(1)], 1), _dt((32, 16), [Shard(0)], 2)
+    fa, fb = _checkpointed(_body_partial), _checkpointed(_body_gathered)
+    eager = {f: _step(f, x, w1, w2) for f in (fa, fb)}
+    assert [g[0] for g in eager[fa][1:]] != [g[0] for g in eager[fb][1:]]  # what the test is about
+    with fresh_cache():
+        for f in (fa, fb, fa, fb):
+            torch._dynamo.reset()
+            backend, seen = _recording()
+            got = _step(torch.compile(f, backend=backend), x, w1, w2)
+            assert isinstance(seen[0], CacheableBorder), seen
+            assert [g[0] for g in got[1:]] == [g[0] for g in eager[f][1:]], (f, seen[0].text())
+        assert len(_grad_files()) == 2
+
+
+def test_a_retained_graph_reads_each_backwards_placements():
+    """Found by a review: a first backward whose gradient arrived Partial left
+    its input-gradient placements for the next backward of the same graph
+    (``retain_graph=True``), whose gradient arrived as traced."""
+    from localmap_fx._torch_compat import functorch_config
+
+    x, w1, w2 = _dt((8, 16), [Replicate()], 0), _dt((16, 32), [Shard(1)], 1), _dt((32, 16), [Shard(0)], 2)
+
+    def summed(x, w1, w2):
+        return _col_row(x, w1, w2).sum(0)
+
+    def run(fn):
+        out = fn(x, w1, w2)
+        (out.to_local(grad_placements=[Partial()]) ** 2).sum().backward(retain_graph=True)
+        first = [g[0] for g in _grads(x, w1, w2)]
+        (out ** 2).sum().backward()
+        return first, [g[0] for g in _grads(x, w1, w2)]
+
+    eager = run(summed)
+    assert eager[0] != eager[1]  # what the test is about
+    backend, seen = _recording()
+    torch._dynamo.reset()
+    with functorch_config.patch(donated_buffer=False):  # retain_graph
+        got = run(torch.compile(summed, backend=backend))
+    assert isinstance(seen[0], CacheableBorder), seen
+    assert got == eager
+
+
+def test_a_frame_with_no_dtensor_input_compiles_once_and_hits():
+    """Found by a review: DTensors made inside the frame (``from_local`` of
+    plain inputs) never called the wrapper's enter, which was how the border
+    told a trace from a cache hit, so every compile ran twice and none was
+    ever saved."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+    from torch.distributed.tensor import DTensor
+
+    mesh = mesh_1d()
+
+    def f(a, b):
+        x = DTensor.from_local(a, mesh, [Replicate()])
+        w = DTensor.from_local(b, mesh, [Shard(1)])
+        return (torch.relu(x @ w) ** 2).sum()
+
+    a = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, 8, requires_grad=True)
+    with fresh_cache():
+        runs = []
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            backend, seen = _recording()
+            torch.compile(f, backend=backend)(a, b).backward()
+            runs.append((seen[0], dict(counters["aot_autograd"]), a.grad.clone(), b.grad.clone()))
+            a.grad = b.grad = None
+    (first, c1, ga1, gb1), (second, c2, ga2, gb2) = runs
+    assert isinstance(first, CacheableBorder) and "from the trace" in first.text()
+    assert c1.get("autograd_cache_miss") == 1 and c1.get("autograd_cache_saved") == 1, c1
+    assert c2.get("autograd_cache_hit") == 1 and c2.get("autograd_cache_miss", 0) == 0, c2
+    assert "gradient file" in second.text()
+    assert torch.equal(ga1, ga2) and torch.equal(gb1, gb2)
 
 
 def test_a_block_whose_output_feeds_its_input_keeps_the_lean_border():
@@ -217,16 +331,26 @@ def _summed(x, w1, w2):
     return _col_row(x, w1, w2).sum(0)
 
 
+def _resharded(x, w1, w2):
+    """``Shard(1)`` then ``Replicate`` again: the backward chunks the gradient
+    to this rank's ``Shard(1)``, so the trace holds this rank's offset (Note:
+    [A trace belongs to its rank])."""
+    y = _col_row(x, w1, w2).redistribute(x.device_mesh, [Shard(1)]).redistribute(x.device_mesh, [Replicate()])
+    return (y ** 2).sum()
+
+
 def _gloo_values(rank, world_size, device):
     import torch
+    from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
-    x = _dt((8, 16), [Replicate()], 0, mesh=mesh)
     w1, w2 = _dt((16, 32), [Shard(1)], 1, mesh=mesh), _dt((32, 16), [Shard(0)], 2, mesh=mesh)
     report = {}
-    for name, fn in (("loss", _loss), ("partial", _summed)):
-        def run(f, name=name):
+    for name, fn, x in (("loss", _loss, _dt((8, 16), [Replicate()], 0, mesh=mesh)),
+                        ("partial", _summed, _dt((8, 16), [Replicate()], 0, mesh=mesh)),
+                        ("resharded", _resharded, _dt((8, 16), [Replicate()], 0, mesh=mesh))):
+        def run(f, name=name, x=x):
             out = f(x, w1, w2)
             if name == "partial":
                 # a gradient arriving Partial, as after the next region
@@ -235,24 +359,69 @@ def _gloo_values(rank, world_size, device):
             return [out.detach().clone(), *_grads(x, w1, w2)]
 
         eager = run(fn)
-        backend, seen = _recording()
-        torch._dynamo.reset()
-        got = run(torch.compile(fn, backend=backend))
-        report[name] = (type(seen[0]).__name__, [p for p, _ in eager[1:]] == [p for p, _ in got[1:]],
-                        # relative to each gradient's largest entry, as the other gloo tests compare
-                        max(((a - b).abs().max() / (1 + a.abs().max())).item()
-                            for (_, a), (_, b) in zip(eager[1:], got[1:])),
-                        # relative: the losses are sums of a few hundred squares
-                        ((eager[0] - got[0]).abs() / (1 + eager[0].abs())).max().item())
+        # compiled twice: a trace, then (both ranks share the cache folder) an AOTAutogradCache hit
+        for attempt in ("trace", "hit"):
+            backend, seen = _recording()
+            torch._dynamo.reset()
+            counters.clear()
+            got = run(torch.compile(fn, backend=backend))
+            report[(name, attempt)] = (
+                type(seen[0]).__name__, counters["aot_autograd"].get("autograd_cache_hit", 0),
+                [p for p, _ in eager[1:]] == [p for p, _ in got[1:]],
+                # relative to each gradient's largest entry, as the other gloo tests compare
+                max(((a - b).abs().max() / (1 + a.abs().max())).item()
+                    for (_, a), (_, b) in zip(eager[1:], got[1:])),
+                # relative: the losses are sums of a few hundred squares
+                ((eager[0] - got[0]).abs() / (1 + eager[0].abs())).max().item())
     return report
 
 
 @pytest.mark.slow
-def test_on_gloo_gradients_and_placements_equal_eager():
+def test_on_gloo_gradients_and_placements_equal_eager(tmp_path, monkeypatch):
+    """Both ranks share one cache folder, as on one host by default: the
+    second compile of each graph is an AOTAutogradCache hit, and must serve
+    each rank its own trace (the first version served one rank's to both)."""
     from localmap_fx.testing.dist import run_ranks
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
     for report in run_ranks(_gloo_values, world_size=2, timeout=900):
-        for name, (kind, placements_same, grad_err, loss_err) in report.items():
+        for (name, attempt), (kind, hits, placements_same, grad_err, loss_err) in report.items():
             assert kind == "CacheableBorder", (name, kind)
-            assert placements_same, name
-            assert grad_err <= 1e-5 and loss_err <= 1e-5, (name, grad_err, loss_err)
+            assert hits == (attempt == "hit"), (name, attempt, hits)
+            assert placements_same, (name, attempt)
+            assert grad_err <= 1e-5 and loss_err <= 1e-5, (name, attempt, grad_err, loss_err)
+
+
+def _gloo_stable_keys(rank, world_size, device):
+    import torch
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import localmap_fx
+
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
+    x = _dt((8, 16), [Replicate()], 0, mesh=mesh)
+    w1, w2 = _dt((16, 32), [Shard(1)], 1, mesh=mesh), _dt((32, 16), [Shard(0)], 2, mesh=mesh)
+    eager = _step(_resharded, x, w1, w2)
+    out = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        got = _step(torch.compile(_resharded, backend=localmap_fx.backend(stable_cache_keys=True)), x, w1, w2)
+        out.append((counters["aot_autograd"].get("autograd_cache_hit", 0),
+                    max(((a - b).abs().max() / (1 + a.abs().max())).item()
+                        for (_, a), (_, b) in zip(eager[1:], got[1:]))))
+    return out
+
+
+@pytest.mark.slow
+def test_on_gloo_stable_cache_keys_serve_each_rank_its_own_trace(tmp_path, monkeypatch):
+    """``stable_cache_keys=True`` lifts the mesh by the same key: the second
+    compile hits, and each rank gets its own trace (Note: [A trace belongs to
+    its rank])."""
+    from localmap_fx.testing.dist import run_ranks
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
+    for (hits1, err1), (hits2, err2) in run_ranks(_gloo_stable_keys, world_size=2, timeout=900):
+        assert (hits1, hits2) == (0, 1)
+        assert err1 <= 1e-5 and err2 <= 1e-5, (err1, err2)
