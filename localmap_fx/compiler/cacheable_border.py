@@ -26,10 +26,14 @@ Note: [A border torch's caches can serve]
     * the placements each input's gradient gets are what the joint trace
       recorded (``_Enter``'s backward).  A cache hit traces nothing, so the
       border writes them beside torch's caches (``<inductor cache
-      dir>/localmap_fx/border_grads/<key>.json``, keyed by the wrapper's code
-      and its inputs' layouts) when it traces, and reads them on a hit.  A
-      hit without that file (a cache copied without it) compiles again with
-      AOTAutogradCache off: slower, never a guess.
+      dir>/localmap_fx/border_grads/<key>.json``, keyed by the code of the
+      wrapper and of every module under it (a checkpointed body lives in
+      one), its inputs' layouts and the versions) when it traces, and reads
+      them on a hit, told by torch's cache counters.  A hit without that
+      file (a cache copied without it) compiles again with AOTAutogradCache
+      off: slower, never a guess.  Every key holds this rank's coordinate in
+      each mesh (Note: [A trace belongs to its rank] in cache_keys.py), and
+      the named calls' cache version is a hash of the code they run.
 
     One call costs three autograd nodes where the lean border has one
     (microseconds, paid once per step by a whole model), so a graph whose
