@@ -14,7 +14,8 @@ Note: [The mesh out of the cache key]
     so before Inductor each mesh placeholder becomes a call
     ``mesh_constant("<key>")`` whose argument is text made of the mesh's
     public, process-independent description (device type, ranks, dimension
-    names, process group names).  The call is traced away: AOTAutograd's
+    names, process group names, and this process's coordinate in it: Note:
+    [A trace belongs to its rank]).  The call is traced away: AOTAutograd's
     graphs already hold the collectives' group names, not the mesh, so the
     compiled code is the same and its keys are stable.  ``mesh_constant`` is
     declared cacheable through Inductor's ``unsafe_marked_cacheable_functions``
@@ -31,7 +32,9 @@ Note: [The mesh out of the cache key]
     (16-layer TP stack, B 16 D 32 H 64, fake process group, CPU: 2.47 ms step
     against 2.40 ms, +3%).  That price belongs to AOTAutograd's subclass
     runtime; where the backend's own runtime takes the DTensors, the lift is
-    free and always on (Note: [A trace belongs to its rank]
+    free and always on (Note: [Stable keys behind the border]).
+
+Note: [A trace belongs to its rank]
     AOTAutogradCache keys the graph *before* it is traced, and a DTensor
     trace bakes in this process's coordinate in the mesh (the offset of a
     ``Replicate -> Shard`` chunk in a backward, which rank keeps a
@@ -46,8 +49,6 @@ Note: [The mesh out of the cache key]
     (``at (1,)``), so every key that holds ``mesh_constant`` is per rank.
     Inductor's FX graph cache keys the traced graph, whose constants already
     differ by rank.
-
-Note: [Stable keys behind the border]).
 
 Note: [Stable keys behind the border]
     The key Inductor's FX graph cache computes pickles the forward graph's
@@ -75,6 +76,9 @@ Note: [Stable keys behind the border]
 
     Both keep AOTAutogradCache off (kept graphs), so no cacheability
     declaration is needed; Inductor's FX graph cache hits in a new process.
+    (A whole model under Inductor takes the border torch's caches serve
+    instead, which declares ``mesh_constant`` and its own calls cacheable:
+    Note: [A border torch's caches can serve] in cacheable_border.py.)
     Still missing: a layer piece a DTensor enters, and a piece without a
     layer key, such as the tail (the loss) of a marked stack, which runs on
     AOTAutograd's runtime: its AOT and FX keys still hold the mesh, and

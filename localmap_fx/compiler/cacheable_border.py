@@ -43,14 +43,14 @@ Note: [A border torch's caches can serve]
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import hashlib
 import inspect
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -69,14 +69,18 @@ from .dtensor_border import (
     _default_tangent,
     _eager_grads,
     _Enter,
+    _input_checks,
     _new_dtensor,
     _respec,
     _Slot,
     _spec,
     _wide_value,
     _wrapper,
+    check_grad,
+    check_inputs,
     dtensor_border,
     prepare,
+    regrad_specs,
 )
 
 __all__ = ["BORDER_ENTER", "BORDER_LEAVE", "CacheableBorder", "border_enter", "border_for", "border_leave",
@@ -153,22 +157,17 @@ def decode_placements(text: str) -> tuple:
 
 # --- the wrapper's named functions ---------------------------------------------------
 
-@dataclasses.dataclass
-class _Recording:
-    """What a trace of the wrapper records: per input, its gradient's [spec, wide] (``_Enter``)."""
-
-    records: list[list]
-
-
-# set only while the border compiles its wrapper (one compile at a time per process)
-_RECORDING: list[_Recording] = []
+# the record lists (per input, its gradient's [spec, wide]: ``_Enter``) of the
+# wrapper being compiled; set only while the border compiles one (one at a
+# time per process)
+_RECORDING: list[list[list]] = []
 
 
 def border_enter(local: torch.Tensor, wide: torch.Tensor | None, mesh: Any, placements: str,
                  shape: tuple, stride: tuple, dtype: torch.dtype, index: int) -> DTensor:
     """The DTensor input ``index`` of the wrapped graph (traced by AOTAutograd only)."""
     spec = _spec(mesh, decode_placements(placements), shape, stride, dtype)
-    record = _RECORDING[-1].records[index] if _RECORDING else []
+    record = _RECORDING[-1][index] if _RECORDING else []
     return _Enter.apply(local, wide, spec, record)
 
 
@@ -177,15 +176,12 @@ def border_leave(out: DTensor, placements: str) -> torch.Tensor:
     return out.to_local(grad_placements=decode_placements(placements))
 
 
-class _Recorded:
-    def __init__(self, recording: _Recording) -> None:
-        self.recording = recording
-
-    def __enter__(self) -> _Recording:
-        _RECORDING.append(self.recording)
-        return self.recording
-
-    def __exit__(self, *exc: Any) -> None:
+@contextlib.contextmanager
+def _recorded(records: list[list]) -> Iterator[None]:
+    _RECORDING.append(records)
+    try:
+        yield
+    finally:
         _RECORDING.pop()
 
 
@@ -283,9 +279,10 @@ class CacheableBorder:
         self.tangents = tangents
         self.source = source  # where the input gradients' placements came from
         self._dt_inputs = tuple(i for i, s in enumerate(self.inputs) if s.spec is not None)
-        self._in_checks = tuple((i, self.inputs[i].spec.placements, torch.Size(self.inputs[i].shape))
-                                for i in self._dt_inputs)
+        self._in_checks = _input_checks(self.inputs)
         self._needs_grad = tuple(bool(example_inputs[i].requires_grad) for i in self._dt_inputs)
+        # per input: the spec its gradient was traced with (None: no gradient)
+        self._in_grad_specs = tuple(r[0] if r else None for r in records)
         self._in_grads = tuple((r[0], bool(r[1])) if r else (None, False)
                                for r in (records[i] for i in self._dt_inputs))
         # Note: [A gradient wider than its input]: only a wide slot its
@@ -299,7 +296,7 @@ class CacheableBorder:
         self._out_specs = tuple(self.outputs[i].spec for i in self._dt_outputs)
         # per DTensor output: the spec its gradient is traced in
         self._tangent_specs = tuple(_respec(self.outputs[i].spec, tangents[i]) for i in self._dt_outputs)
-        # arrived tangents -> {k: the spec eager gives DTensor input k's gradient}
+        # arrived tangents -> {input: the spec eager gives its gradient}
         self._regrads: dict[tuple, dict[int, Any]] = {}
 
     def text(self) -> str:
@@ -308,13 +305,7 @@ class CacheableBorder:
                 f"input gradients' placements from {self.source}")
 
     def __call__(self, *args: Any) -> Any:
-        for i, placements, shape in self._in_checks:
-            a = args[i]
-            if type(a) is not DTensor or a.placements != placements or a.shape != shape:
-                got = f"{type(a).__name__} {getattr(a, 'placements', '')} {tuple(getattr(a, 'shape', ()))}"
-                raise RuntimeError(
-                    f"localmap_fx: input {i} of a compiled graph is {got}, traced as DTensor {placements} "
-                    f"{tuple(shape)}; the compiled code would misread it")
+        check_inputs(self._in_checks, args)
         state = _CallState()
         local = _Unwrap.apply(self, state, *(args[i] for i in self._dt_inputs))
         call = list(args)
@@ -332,9 +323,9 @@ class CacheableBorder:
 
     def regrad_for(self, arrived: tuple) -> dict[int, Any]:
         """For gradients that arrived in ``arrived`` (per graph output) where
-        the trace assumed others: the specs eager DTensor gives the DTensor
-        inputs' gradients, where they differ from the traced ones (as the lean
-        border's plan does; Note: [The gradient a stack sends back])."""
+        the trace assumed others: input -> the spec eager DTensor gives its
+        gradient, where it differs from the traced one (as the lean border's
+        plan does; Note: [The gradient a stack sends back])."""
         regrad = self._regrads.get(arrived)
         if regrad is None:
             p = self._prepared
@@ -344,8 +335,7 @@ class CacheableBorder:
                 # eager cannot run the graph on the fakes: the traced
                 # placements, the same values
                 wanted = (None,) * len(p.inputs)
-            regrad = {k: _respec(spec, wanted[i]) for k, (i, (spec, _)) in enumerate(zip(self._dt_inputs, self._in_grads))
-                      if spec is not None and wanted[i] is not None and tuple(wanted[i]) != tuple(spec.placements)}
+            regrad = regrad_specs(wanted, self._in_grad_specs)
             self._regrads[arrived] = regrad
         return regrad
 
@@ -385,7 +375,7 @@ class _Unwrap(torch.autograd.Function):
                 continue
             if spec is None:
                 raise RuntimeError(f"localmap_fx: DTensor input {i} got a gradient its trace did not record")
-            target = regrad.get(k) if regrad else None
+            target = regrad.get(i) if regrad else None
             out.append(_new_dtensor(g, spec) if target is None else _convert(g, spec, target))
         return (None, None, *out)
 
@@ -412,10 +402,7 @@ class _Wrap(torch.autograd.Function):
             if g is None:
                 out.append(None)
                 continue
-            if not isinstance(g, DTensor):
-                raise RuntimeError(
-                    f"localmap_fx: the gradient of output {border._dt_outputs[k]} of a compiled graph is a "
-                    f"{type(g).__name__}, not a DTensor like the output")
+            check_grad(border._dt_outputs[k], g)
             if g.placements != spec.placements:
                 # AOTAutograd's way: a gradient is read in the placements traced
                 # ...and the input gradients get the placements eager gives them
@@ -493,23 +480,23 @@ def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepa
     key = _grads_key(wrapped, local_inputs)
     in_meshes = [s.spec.mesh if s.spec is not None else None for s in inputs]
 
-    def compile_recording(aot_cache: bool = True) -> tuple[Any, _Recording, bool]:
+    def compile_recording(aot_cache: bool = True) -> tuple[Any, list[list], bool]:
         """(compiled, what its trace recorded, whether AOTAutogradCache served it: nothing traced)."""
-        recording = _Recording([[] for _ in inputs])
+        records: list[list] = [[] for _ in inputs]
         before = cache_keys.CacheCounts.now()
-        with _cacheable_scope(), _Recorded(recording), functorch_config.patch(
+        with _cacheable_scope(), _recorded(records), functorch_config.patch(
                 enable_autograd_cache=functorch_config.enable_autograd_cache and aot_cache):
             compiled = compile_one(wrapped, list(local_inputs), as_is=True)
-        return compiled, recording, cache_keys.CacheCounts.now().since(before).aot_hit > 0
+        return compiled, records, cache_keys.CacheCounts.now().since(before).aot_hit > 0
 
-    compiled, recording, hit = compile_recording()
-    records, source = recording.records, "the trace"
+    compiled, records, hit = compile_recording()
+    source = "the trace"
     loaded = _load_grads(key, in_meshes) if hit else None
     if loaded is not None:
         records, source = loaded, "the border's gradient file (AOTAutogradCache hit)"
     elif hit:
-        compiled, recording, _ = compile_recording(aot_cache=False)
-        records, source = recording.records, "the trace (AOTAutogradCache hit without a gradient file)"
+        compiled, records, _ = compile_recording(aot_cache=False)
+        source = "the trace (AOTAutogradCache hit without a gradient file)"
     if loaded is None:
         entries = _grads_entries(records)
         if entries is not None:

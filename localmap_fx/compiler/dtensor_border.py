@@ -663,8 +663,7 @@ class DTensorBorder:
         # (its forward differs: such gradients are redistributed to first's placements)
         self.variants: dict[tuple, _Variant | None] = {first.tangents: first}
         # Note: [The border's hot path]: everything a call reads, built once
-        self._in_checks = tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs)
-                                if s.spec is not None)
+        self._in_checks = _input_checks(inputs)
         self._dt_inputs = tuple(i for i, s in enumerate(inputs) if s.spec is not None)
         self._out_specs = tuple((i, s.spec) for i, s in enumerate(outputs) if s.spec is not None)
         layer = first.layer
@@ -686,13 +685,7 @@ class DTensorBorder:
                f"(planned: {self.plan.text()})"
 
     def __call__(self, *args: Any) -> tuple:
-        for i, placements, shape in self._in_checks:
-            a = args[i]
-            if type(a) is not DTensor or a.placements != placements or a.shape != shape:
-                got = f"{type(a).__name__} {getattr(a, 'placements', '')} {tuple(getattr(a, 'shape', ()))}"
-                raise RuntimeError(
-                    f"localmap_fx: input {i} of a compiled graph is {got}, traced as DTensor {placements} "
-                    f"{tuple(shape)}; the compiled code would misread it")
+        check_inputs(self._in_checks, args)
         return _BorderFunction.apply(self, *args)
 
     def backward_for(self, grads: Sequence[Any]) -> _Backward:
@@ -703,10 +696,7 @@ class DTensorBorder:
             if g is None:
                 arrived.append(None)
                 continue
-            if not isinstance(g, DTensor):
-                raise RuntimeError(
-                    f"localmap_fx: the gradient of output {i} of a compiled graph is a {type(g).__name__}, "
-                    f"not a DTensor like the output")
+            check_grad(i, g)
             arrived.append(g.placements)
         key = tuple(map(id, arrived))
         hit = self._seen.get(key)
@@ -742,9 +732,7 @@ class DTensorBorder:
         to_first = tuple((i, _respec(s.spec, t)) for i, (s, t) in enumerate(zip(self.outputs, self.first.tangents))
                          if s.spec is not None and t is not None)
         wanted = dict(self.plan.traced).get(tangents, ())
-        regrad = {i: _respec(got, want) for i, (want, got) in enumerate(zip(wanted, self.first.in_grad_specs))
-                  if want is not None and got is not None and want != tuple(got.placements)}
-        return {"to_first": to_first, "regrad": regrad}
+        return {"to_first": to_first, "regrad": regrad_specs(wanted, self.first.in_grad_specs)}
 
     def variant_for(self, tangents: tuple) -> _Variant | None:
         """The variant for gradients in ``tangents`` (compiled at the first call), None if unusable."""
@@ -759,6 +747,38 @@ class DTensorBorder:
                   and v.layer.differentiable == first.differentiable)
         self.variants[tangents] = v if usable and not isinstance(v, Refusal) else None
         return self.variants[tangents]
+
+
+def _input_checks(inputs: Sequence[_Slot]) -> tuple:
+    """Per DTensor input: (index, traced placements, traced shape), what a call checks."""
+    return tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs) if s.spec is not None)
+
+
+def check_inputs(checks: tuple, args: Sequence[Any]) -> None:
+    """Raise when an input is not the DTensor ``checks`` (:func:`_input_checks`) traced."""
+    for i, placements, shape in checks:
+        a = args[i]
+        if type(a) is not DTensor or a.placements != placements or a.shape != shape:
+            got = f"{type(a).__name__} {getattr(a, 'placements', '')} {tuple(getattr(a, 'shape', ()))}"
+            raise RuntimeError(
+                f"localmap_fx: input {i} of a compiled graph is {got}, traced as DTensor {placements} "
+                f"{tuple(shape)}; the compiled code would misread it")
+
+
+def check_grad(i: int, g: Any) -> None:
+    """Raise when the gradient ``g`` arriving at DTensor output ``i`` is no DTensor."""
+    if not isinstance(g, DTensor):
+        raise RuntimeError(
+            f"localmap_fx: the gradient of output {i} of a compiled graph is a {type(g).__name__}, "
+            f"not a DTensor like the output")
+
+
+def regrad_specs(wanted: Sequence[Any], got: Sequence[Any]) -> dict[int, Any]:
+    """Input -> the spec its gradient must be redistributed to: where eager
+    gives placements ``wanted[i]`` other than the traced spec ``got[i]`` (Note:
+    [The gradient a stack sends back])."""
+    return {i: _respec(g, tuple(w)) for i, (w, g) in enumerate(zip(wanted, got))
+            if w is not None and g is not None and tuple(w) != tuple(g.placements)}
 
 
 def _placements_text(t: tuple) -> str:
