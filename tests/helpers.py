@@ -122,3 +122,42 @@ def full_text(e: BaseException) -> str:
     """An error as a traceback shows it: ``str(e)`` (torch's text) and its
     PEP 678 notes (localmap_fx's hints)."""
     return "\n".join([str(e), *getattr(e, "__notes__", ())])
+
+
+def border_recording(inner: str = "inductor", **opts):
+    """(backend, seen): a backend that keeps what ``compile_graph`` returned
+    for each frame, the border itself behind what drops the mesh arguments
+    (Note: [The mesh out of the cache key])."""
+    import inspect
+
+    from localmap_fx.compiler import BackendOptions
+    from localmap_fx.compiler.pipeline import compile_graph
+
+    options = BackendOptions(inner=inner, **opts)
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        fn = compile_graph(gm, example_inputs, options)
+        seen.append(inspect.unwrap(fn))
+        return fn
+
+    return backend, seen
+
+
+def seeded_dtensor(shape, placements, seed: int, requires_grad: bool = True, mesh=None):
+    """A DTensor of a seeded random tensor (on ``mesh``, default :func:`mesh_1d`), a leaf."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return distribute_tensor(full, mesh or mesh_1d(), placements).detach().requires_grad_(requires_grad)
+
+
+def col_row(x, w1, w2):
+    """A TP block of DTensor ops, its weights outside any region: column then row, residual."""
+    import torch
+    from torch.distributed.tensor import Replicate
+
+    h = torch.relu(x @ w1)                      # R @ S(1) -> S(1)
+    y = h @ w2                                  # S(1) @ S(0) -> P
+    return y.redistribute(x.device_mesh, [Replicate()]) + x

@@ -11,46 +11,27 @@ the end of this file.
 from __future__ import annotations
 
 import glob
-import inspect
 import os
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from localmap_fx.compiler import BackendOptions
 from localmap_fx.compiler.cacheable_border import CacheableBorder, decode_placements, encode_placements
 from localmap_fx.compiler.dtensor_border import DTensorBorder
-from localmap_fx.compiler.pipeline import compile_graph
 
-from helpers import mesh_1d
+from helpers import border_recording, col_row, mesh_1d, seeded_dtensor
 
 pytestmark = pytest.mark.inductor
 
 
 def _recording(**opts):
     """A backend that keeps the border (or callable) compile_graph returned per frame."""
-    options = BackendOptions(inner="inductor", **opts)
-    seen: list = []
-
-    def backend(gm, example_inputs):
-        fn = compile_graph(gm, example_inputs, options)
-        seen.append(inspect.unwrap(fn))
-        return fn
-
-    return backend, seen
+    return border_recording("inductor", **opts)
 
 
-def _dt(shape, placements, seed, requires_grad=True, mesh=None):
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randn(*shape, generator=g)
-    return distribute_tensor(full, mesh or mesh_1d(), placements).detach().requires_grad_(requires_grad)
-
-
-def _col_row(x, w1, w2):
-    h = torch.relu(x @ w1)                      # R @ S(1) -> S(1)
-    y = h @ w2                                  # S(1) @ S(0) -> P
-    return y.redistribute(x.device_mesh, [Replicate()]) + x
+_dt = seeded_dtensor
+_col_row = col_row
 
 
 def _loss(x, w1, w2):

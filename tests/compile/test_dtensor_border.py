@@ -13,34 +13,22 @@ in a subclass, which the border refuses, so it has no tier here.)
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from localmap_fx.compiler.cacheable_border import CacheableBorder
 from localmap_fx.compiler.dtensor_border import BorderRefused, DTensorBorder, dtensor_border
 from localmap_fx.compiler.inner import inner_compiler
 from localmap_fx.compiler.options import BackendOptions
-from localmap_fx.compiler.pipeline import compile_graph
 from localmap_fx.layer_sharing.runtime import Refusal, Refused
 
-from helpers import mesh_1d
+from helpers import border_recording, col_row, mesh_1d, seeded_dtensor
 
 
 def _recording(inner: str, **opts):
     """A backend that keeps what compile_graph returned for each frame."""
-    options = BackendOptions(inner=inner, **opts)
-    seen: list = []
-
-    def backend(gm, example_inputs):
-        fn = compile_graph(gm, example_inputs, options)
-        # the border itself, behind what drops the mesh arguments (Note: [The mesh out of the cache key])
-        seen.append(inspect.unwrap(fn))
-        return fn
-
-    return backend, seen
+    return border_recording(inner, **opts)
 
 
 def _refusal_of(fn, args, inner="aot_eager"):
@@ -57,9 +45,7 @@ def _refusal_of(fn, args, inner="aot_eager"):
 
 
 def _dt(shape, placements, seed, requires_grad=True):
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randn(*shape, generator=g)
-    return distribute_tensor(full, mesh_1d(), placements).detach().requires_grad_(requires_grad)
+    return seeded_dtensor(shape, placements, seed, requires_grad)
 
 
 def _grads(*ts):
@@ -80,11 +66,7 @@ def _same(a, b):
         assert torch.equal(x[1], y[1])
 
 
-def _col_row(x, w1, w2):
-    mesh = x.device_mesh
-    h = torch.relu(x @ w1)                      # R @ S(1) -> S(1)
-    y = h @ w2                                  # S(1) @ S(0) -> P
-    return y.redistribute(mesh, [Replicate()]) + x
+_col_row = col_row
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])

@@ -68,88 +68,6 @@ def _step(blocks, x):
     return loss
 
 
-def _regional_vs_eager(rank: int, world_size: int, device: str) -> dict:
-    from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    import localmap_fx
-
-    mesh = init_device_mesh(device, (world_size,))
-    full = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(1))
-    out: dict = {}
-    for name, impl, backend in (("eager", "ours", None), ("upstream", "torch", "aot_eager"),
-                                ("aot_eager", "ours", localmap_fx.backend("aot_eager")),
-                                ("inductor", "ours", "localmap_fx")):
-        torch._dynamo.reset()
-        counters.clear()
-        blocks = _blocks(mesh, impl)
-        if backend is not None:
-            for block in blocks:
-                block.compile(backend=backend)
-        x = distribute_tensor(full, mesh, [Replicate()]).requires_grad_()
-        _step(blocks, x)  # a second step runs what the first compiled
-        leaves = [x, *blocks.parameters()]
-        for t in leaves:
-            t.grad = None
-        loss = _step(blocks, x)
-        out[name] = {
-            "values": [loss.full_tensor()] + [t.grad.full_tensor() for t in leaves],
-            "placements": [tuple(t.grad.placements) for t in leaves],
-            "frames": counters["stats"]["unique_graphs"],
-            "breaks": sum(counters["graph_break"].values()),
-        }
-    return out
-
-
-@pytest.mark.gloo
-@pytest.mark.slow
-@pytest.mark.inductor  # the ranks compile with Inductor too
-def test_torch_parallelized_blocks_compile_regionally_as_upstream_and_equal_eager():
-    from localmap_fx.testing.dist import run_ranks
-
-    for rank in run_ranks(_regional_vs_eager, world_size=2, timeout=900):
-        eager, upstream = rank["eager"], rank["upstream"]
-        # torch's behaviour, pinned: upstream regional gives the output
-        # projections' gradients other placements than eager (Shard(1), not Partial)
-        assert upstream["placements"] != eager["placements"]
-        for name in ("aot_eager", "inductor"):
-            got = rank[name]
-            assert (got["frames"], got["breaks"]) == (upstream["frames"], upstream["breaks"]) == (1, 0)
-            assert got["placements"] == eager["placements"], name
-            for a, b in zip(eager["values"], got["values"]):
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * (1 + a.abs().max().item()))
-
-
-def test_torch_parallelized_block_converts_a_partial_gradient():
-    """The block's Partial joint gathers weights (torch's Colwise/Rowwise
-    projections), so the border compiles Replicate and converts Partial
-    (Note: [The gradient a stack sends back] in compiler/dtensor_border.py)."""
-    import inspect
-
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    from localmap_fx.compiler.options import BackendOptions
-    from localmap_fx.compiler.pipeline import compile_graph
-
-    from helpers import mesh_1d
-
-    mesh = mesh_1d()
-    blocks = _blocks(mesh, "ours")
-    seen: list = []
-
-    def backend(gm, example_inputs):
-        fn = compile_graph(gm, example_inputs, BackendOptions(inner="aot_eager"))
-        seen.append(inspect.unwrap(fn))
-        return fn
-
-    for block in blocks:
-        block.compile(backend=backend)
-    _step(blocks, distribute_tensor(torch.randn(2, 8, D), mesh, [Replicate()]).requires_grad_())
-    (border,) = seen
-    assert border.plan.text() == "compile (R); convert (P(sum))"
-
-
 class _Whole(nn.Module):
     """The blocks and the loss, compiled as one frame."""
 
@@ -163,21 +81,32 @@ class _Whole(nn.Module):
         return (x * x).sum()
 
 
-def _whole_vs_eager(rank: int, world_size: int, device: str) -> dict:
+def _vs_eager(rank: int, world_size: int, device: str, whole: bool = False) -> dict:
+    """Per way (eager, upstream, ours): loss and gradients of a second step,
+    their placements, frames and graph breaks; the blocks compiled each on its
+    own, or (``whole``) the model with its loss as one frame."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
+    import localmap_fx
+
     mesh = init_device_mesh(device, (world_size,))
     full = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(1))
+    ways = ((("upstream", "torch", "inductor"), ("ours", "ours", "localmap_fx")) if whole else
+            (("upstream", "torch", "aot_eager"), ("aot_eager", "ours", localmap_fx.backend("aot_eager")),
+             ("inductor", "ours", "localmap_fx")))
     out: dict = {}
-    for name, impl, backend in (("eager", "ours", None), ("upstream", "torch", "inductor"),
-                                ("ours", "ours", "localmap_fx")):
+    for name, impl, backend in (("eager", "ours", None), *ways):
         torch._dynamo.reset()
         counters.clear()
         blocks = _blocks(mesh, impl)
-        model = _Whole(blocks)
-        run = torch.compile(model, backend=backend) if backend else model
+        run: nn.Module = _Whole(blocks)
+        if backend is not None and whole:
+            run = torch.compile(run, backend=backend)  # type: ignore[assignment]
+        elif backend is not None:
+            for block in blocks:
+                block.compile(backend=backend)
         x = distribute_tensor(full, mesh, [Replicate()]).requires_grad_()
         leaves = [x, *blocks.parameters()]
         for _ in range(2):  # the second step runs what the first compiled
@@ -196,6 +125,43 @@ def _whole_vs_eager(rank: int, world_size: int, device: str) -> dict:
 
 @pytest.mark.gloo
 @pytest.mark.slow
+@pytest.mark.inductor  # the ranks compile with Inductor too
+def test_torch_parallelized_blocks_compile_regionally_as_upstream_and_equal_eager():
+    from localmap_fx.testing.dist import run_ranks
+
+    for rank in run_ranks(_vs_eager, world_size=2, timeout=900):
+        eager, upstream = rank["eager"], rank["upstream"]
+        # torch's behaviour, pinned: upstream regional gives the output
+        # projections' gradients other placements than eager (Shard(1), not Partial)
+        assert upstream["placements"] != eager["placements"]
+        for name in ("aot_eager", "inductor"):
+            got = rank[name]
+            assert (got["frames"], got["breaks"]) == (upstream["frames"], upstream["breaks"]) == (1, 0)
+            assert got["placements"] == eager["placements"], name
+            for a, b in zip(eager["values"], got["values"]):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * (1 + a.abs().max().item()))
+
+
+def test_torch_parallelized_block_converts_a_partial_gradient():
+    """The block's Partial joint gathers weights (torch's Colwise/Rowwise
+    projections), so the border compiles Replicate and converts Partial
+    (Note: [The gradient a stack sends back] in compiler/dtensor_border.py)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from helpers import border_recording, mesh_1d
+
+    mesh = mesh_1d()
+    blocks = _blocks(mesh, "ours")
+    backend, seen = border_recording("aot_eager")
+    for block in blocks:
+        block.compile(backend=backend)
+    _step(blocks, distribute_tensor(torch.randn(2, 8, D), mesh, [Replicate()]).requires_grad_())
+    (border,) = seen
+    assert border.plan.text() == "compile (R); convert (P(sum))"
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_torch_parallelized_model_compiled_whole_equals_eager():
     """The whole model (the loss inside) behind the border torch's caches
@@ -203,7 +169,7 @@ def test_torch_parallelized_model_compiled_whole_equals_eager():
     eager's values and placements, as upstream ``backend="inductor"``."""
     from localmap_fx.testing.dist import run_ranks
 
-    for rank in run_ranks(_whole_vs_eager, world_size=2, timeout=900):
+    for rank in run_ranks(_vs_eager, world_size=2, timeout=900, args=(True,)):
         eager, upstream, ours = rank["eager"], rank["upstream"], rank["ours"]
         assert (ours["frames"], ours["breaks"]) == (upstream["frames"], upstream["breaks"]) == (1, 0)
         assert ours["placements"] == eager["placements"] == upstream["placements"]
@@ -217,17 +183,13 @@ def test_torch_parallelized_model_compiled_whole_is_served_by_torchs_caches():
     new process would): the second compile is an AOTAutogradCache hit, reads
     the input gradients' placements from the border's file, and gives the
     first compile's numbers."""
-    import inspect
-
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from localmap_fx.compiler.cacheable_border import CacheableBorder
-    from localmap_fx.compiler.options import BackendOptions
-    from localmap_fx.compiler.pipeline import compile_graph
 
-    from helpers import mesh_1d
+    from helpers import border_recording, mesh_1d
 
     mesh = mesh_1d()
     runs = []
@@ -235,13 +197,7 @@ def test_torch_parallelized_model_compiled_whole_is_served_by_torchs_caches():
         for _ in range(2):
             torch._dynamo.reset()
             counters.clear()
-            seen: list = []
-
-            def backend(gm, example_inputs, seen=seen):
-                fn = compile_graph(gm, example_inputs, BackendOptions())
-                seen.append(inspect.unwrap(fn))
-                return fn
-
+            backend, seen = border_recording()
             blocks = _blocks(mesh, "ours")
             x = distribute_tensor(torch.randn(2, 8, D, generator=torch.Generator().manual_seed(1)), mesh,
                                   [Replicate()]).requires_grad_()
