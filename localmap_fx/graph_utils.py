@@ -48,6 +48,7 @@ __all__ = [
     "funcol_op",
     "collective_name",
     "is_collective",
+    "is_collective_op",
     "is_method",
     "is_to_local",
     "is_redistribute",
@@ -149,12 +150,15 @@ def collective_name(target: Any) -> str | None:
     return None if op is None else op[1]
 
 
+def is_collective_op(target: Any) -> bool:
+    """``target`` is a functional collective that moves data (not ``wait_tensor``)."""
+    name = collective_name(target)
+    return name is not None and name not in NON_COLLECTIVE_OPS
+
+
 def is_collective(node: fx.Node) -> bool:
     """``node`` runs a functional collective that moves data (not ``wait_tensor``)."""
-    if node.op != "call_function":
-        return False
-    name = collective_name(node.target)
-    return name is not None and name not in NON_COLLECTIVE_OPS
+    return node.op == "call_function" and is_collective_op(node.target)
 
 
 # --- DTensor boundary operations (Dynamo graphs) ----------------------------------

@@ -72,39 +72,41 @@ Note: [The gradient a stack sends back]
     and for the attention block the second could not be used (its forward
     saves other values), so each block ran an eager all_reduce.  So when an
     output feeds an input of the same spec (:func:`_chained`), the border
-    guesses that the stack sends Partial (:func:`_guess`) and compiles that,
-    reading AOTAutograd's joint graph before anything is generated (the
-    ``on_joint`` reader of ``compile_one``: AOTAutograd's joint pass, once,
-    on the graph's own joint, after any subgraph's and before Inductor's
-    joint passes).  The guess is kept when the joint shows it
-    is a fixed point (the chained input's gradient is Partial too:
-    :func:`_sends`) and costs at most one collective per changed output
-    more than its forward (:func:`_joint_collectives`): a default variant
-    cannot cost less than that forward, and converting Partial back to
-    Replicate costs that one all_reduce.  Otherwise the compile is stopped
-    (:class:`_Rejected`), the default is compiled, and its joint is
-    compared with the guess's (if the guess costs no more after all, the
-    default is stopped in turn and the guess compiled).  The loser is
-    converted, never compiled (AOTAutograd coerces a tangent to its traced
-    placements the same way), and the input gradients eager gives for it
-    are redistributed to those placements (:class:`_TangentPlan`'s
-    ``traced``: from the loser's joint trace, or, when the guess won at
-    once, from eager DTensor run on the fake examples, :func:`_eager_grads`),
-    so every gradient keeps the placements eager gives it.  The TP block
-    compiles Partial at once and only its last block pays (a local
+    guesses that the stack sends Partial (:func:`_guess`) and plans before
+    it compiles: eager DTensor runs the graph once on the fake examples and
+    backpropagates the guess and the default (:func:`_eager_runs`; nothing
+    traced or compiled), counting the collectives each issues, forward and
+    backward, and recording the placements each input's gradient gets.  The
+    guess is compiled when it is a fixed point (the chained input's gradient
+    is Partial too: :func:`_sends`) and costs at most one collective per
+    changed output more than its forward: a default variant cannot cost
+    less than that forward, and converting Partial back to Replicate costs
+    that one all_reduce.  Otherwise the default is compiled, unless the
+    guess costs no more than it after all (:func:`_plan_tangents`).  Either
+    way one variant is compiled; the other is converted, never compiled
+    (AOTAutograd coerces a tangent to its traced placements the same way),
+    and its input gradients are redistributed to the placements eager
+    gives them (the eager run's, the plan's ``traced``), so every gradient
+    keeps eager's placements.  The counts are eager DTensor's and so the
+    joint graph's: AOTAutograd traces the same sharding decisions, and a
+    weight gathered only for a gradient is backward work in both.  The TP
+    block compiles Partial and only its last block pays (a local
     division); the attention block's Partial backward gathers both weights
-    and reduce-scatters, so that compile is stopped at its joint, Replicate
-    is compiled, and each block converts its Partial gradient with one
-    all_reduce.  Values are eager's up to the order of summation (bitwise on
-    2 gloo ranks for the TP stack under aot_eager, where a sum of two
-    halves is exact)::
+    and reduce-scatters, so Replicate is compiled, and each block converts
+    its Partial gradient with one all_reduce.  An eager run on fakes costs
+    about a third of an AOTAutograd trace; the plan used to trace the
+    guess and read its joint graph, and for the attention block then trace
+    the default too.  Values are eager's up to the order of summation
+    (bitwise on 2 gloo ranks for the TP stack under aot_eager, where a sum
+    of two halves is exact)::
 
         first:   compile (R), then (P) at the first inner block's backward
-        then:    trace (R), trace (P) through AOTAutograd alone, compile the cheaper
-        TP:      compile (P): joint 2 collectives, forward 1, x's gradient P -> kept;
+        then:    trace (P), read its joint: keep it, or stop and trace (R)
+        now:     eager on fakes: forward, backward (P), backward (R); compile the winner once
+        TP:      (P): 2 collectives, forward 1, x's gradient P -> compile (P);
                  the last block's R gradient: R -> P locally
-        attn:    compile (P): joint 4 collectives, forward 1 -> stopped;
-                 compile (R): joint 1 -> kept; P -> R (all_reduce), wo's gradient S(0) -> P as eager
+        attn:    (P): 4 collectives, forward 1; (R): 1 -> compile (R);
+                 P -> R (all_reduce), wo's gradient S(0) -> P as eager
 
 Note: [A gradient wider than its input]
     Eager DTensor gives a Shard parameter a Partial gradient when the op that
@@ -158,7 +160,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import FakeTensor, get_current_graph_task_keep_graph
+from .._torch_compat import FakeTensor, HigherOrderOperator, TorchDispatchMode, get_current_graph_task_keep_graph
+from ..graph_utils import is_collective_op
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
 
 if TYPE_CHECKING:
@@ -463,38 +466,6 @@ class _TangentPlan:
         return out + "".join(f"; convert {_placements_text(t)}" for t in self.converted)
 
 
-class _Rejected(Exception):
-    """Raised from a variant's joint-graph reader: the plan will not have it
-    compiled (Note: [The gradient a stack sends back]).  Nothing has been
-    generated yet; the compile unwinds."""
-
-
-def _joint_collectives(joint: fx.Graph) -> tuple[int, int]:
-    """(collectives, of them forward ones) of an AOTAutograd joint graph.
-
-    The joint returns the forward's outputs, then one gradient per primal
-    input; a forward collective is one those outputs need (a weight gathered
-    only for its gradient is backward work, though it reads no tangent).  A
-    joint of another shape counts none as forward.  (Effect tokens would
-    shift the split; a graph with them is refused by ``compiled_layer``.)
-    """
-    from ..graph_utils import is_collective
-
-    collectives = [n for n in joint.nodes if is_collective(n)]
-    n_primals = sum(1 for n in joint.find_nodes(op="placeholder") if n.name.startswith("primals"))
-    outs = next(n for n in reversed(joint.nodes) if n.op == "output").args[0]
-    if not isinstance(outs, (list, tuple)) or len(outs) < n_primals:
-        return len(collectives), 0
-    needed: set[fx.Node] = set()
-    todo = [o for o in outs[:len(outs) - n_primals] if isinstance(o, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
-    return len(collectives), sum(n in needed for n in collectives)
-
-
 def _guess(default: tuple, chained: dict[int, int]) -> tuple:
     """The tangents a stack's inner blocks are guessed to receive: a chained
     output's Replicate as Partial, the gradient a Replicate input gets where
@@ -505,12 +476,12 @@ def _guess(default: tuple, chained: dict[int, int]) -> tuple:
                  for o, d in enumerate(default))
 
 
-def _grads(records: Sequence[list]) -> tuple:
+def _grads(records: Sequence[Sequence[Any]]) -> tuple:
     """Per input, the placements its gradient got in a trace (None: no gradient)."""
     return tuple(tuple(r[0].placements) if r else None for r in records)
 
 
-def _sends(records: Sequence[list], tangents: tuple, chained: dict[int, int], default: tuple) -> bool:
+def _sends(records: Sequence[Sequence[Any]], tangents: tuple, chained: dict[int, int], default: tuple) -> bool:
     """Whether each chained input's gradient has the placements ``tangents``
     gives its output where they differ from the default (a stack of such
     blocks then sends each block what it was compiled for)."""
@@ -518,93 +489,137 @@ def _sends(records: Sequence[list], tangents: tuple, chained: dict[int, int], de
                for o, i in chained.items() if tangents[o] != default[o])
 
 
+class _CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives that move data, those DTensor's own
+    dispatch issues included: declining DTensor operands, the mode sees the
+    local ops DTensor then runs.  A higher-order op (an ``invoke_subgraph``
+    call) runs with the mode set aside: its body's collectives are its own
+    graph's, as they were not in the graph's joint either."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if is_collective_op(func):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class _EagerRun:
+    """Eager DTensor run on the fake examples, its backward for one set of
+    tangents (Note: [The gradient a stack sends back])."""
+
+    records: tuple[tuple, ...]  # per input, what ``_Enter`` recorded: (gradient spec, wide) or ()
+    collectives: int  # forward and backward
+    forward: int  # of them, those the forward issued
+
+    @property
+    def grads(self) -> tuple:
+        """Per input, the placements of its gradient (None: no gradient)."""
+        return _grads(self.records)
+
+
+def _zero_gradient(out: Any, tangents: Placements | None) -> torch.Tensor:
+    """A zero gradient for ``out`` in ``tangents`` (its local tensor's shape,
+    as ``to_local(grad_placements=...)``'s backward builds it)."""
+    if tangents is None or not isinstance(out, DTensor):
+        return torch.zeros_like(out)
+    return DTensor.from_local(torch.zeros_like(out._local_tensor), out.device_mesh, tangents,
+                              shape=out.shape, stride=out.stride(), run_check=False)
+
+
+def _eager_runs(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
+                outputs: Sequence[_Slot], tangent_sets: Sequence[tuple], wide: Sequence[int]) -> dict[tuple, _EagerRun]:
+    """Per set of tangents, what eager DTensor does with ``gm`` on the fake
+    examples: one forward, then one backward per set (nothing traced, nothing
+    compiled).  Empty when eager cannot run the graph on the fakes (say, an
+    in-place write to a leaf AOTAutograd copies first): the plan then
+    compiles the default, whose input gradients keep their traced placements."""
+    records: list[list] = [[] for _ in inputs]
+    wrapped = _wrapper(gm, inputs, outputs, tuple(None for _ in outputs), records, wide)
+    count = _CountCollectives()
+    runs: dict[tuple, _EagerRun] = {}
+    try:
+        with fake_mode, count, torch.enable_grad():
+            outs = wrapped(*local_inputs)
+            forward = count.n
+            diff = [t for t in local_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            for k, tangents in enumerate(tangent_sets):
+                pairs = [(o, _zero_gradient(o, t)) for o, t in zip(outs, tangents)
+                         if isinstance(o, torch.Tensor) and o.requires_grad]
+                for r in records:
+                    r.clear()
+                before = count.n
+                torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True,
+                                    retain_graph=k + 1 < len(tangent_sets))
+                runs[tuple(tangents)] = _EagerRun(tuple(tuple(r) for r in records), forward + count.n - before,
+                                                  forward)
+    except RuntimeError:
+        return {}
+    return runs
+
+
 def _eager_grads(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
                  outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
-    """:func:`_grads` for ``tangents`` from eager DTensor itself: the wrapper
-    run forward and backward on the fake examples (no trace, nothing compiled)."""
-    records: list[list] = [[] for _ in inputs]
-    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    with fake_mode, torch.enable_grad():
-        outs = wrapped(*local_inputs)
-        pairs = [(o, torch.zeros_like(o)) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        diff = [t for t in local_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True)
-    return _grads(records)
+    """Per input, the placements eager DTensor gives its gradient for
+    ``tangents`` (None: no gradient); empty when eager cannot run the graph
+    on the fakes (:func:`_eager_runs`)."""
+    run = _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (tangents,), wide).get(tuple(tangents))
+    return () if run is None else run.grads
 
 
-def _eager_traced(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
-                  outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
-    """``_TangentPlan.traced`` for ``tangents`` from :func:`_eager_grads`, or
-    nothing when eager cannot run the graph on the fakes (say, an in-place
-    write to a leaf AOTAutograd copies first): the input gradients then keep
-    the compiled variant's placements, the same values."""
-    try:
-        return ((tangents, _eager_grads(gm, local_inputs, fake_mode, inputs, outputs, tangents, wide)),)
-    except RuntimeError:
-        return ()
+def _plan_tangents(default: tuple, guess: tuple, chained: dict[int, int], runs: dict[tuple, _EagerRun]) -> _TangentPlan:
+    """The :class:`_TangentPlan` of a stack's block from eager runs for the
+    default and the guessed tangents (Note: [The gradient a stack sends back]).
+
+    The guess is compiled when it is a fixed point (:func:`_sends`) and costs
+    at most one collective per changed output more than the forward (no
+    default could cost less than the forward), or when the default's
+    gradient would convert to it and it costs no more than the default;
+    otherwise the default is compiled.  The other is converted, its input
+    gradients redistributed to eager's (``traced``); a guess costing more
+    than the default plus its conversion is never compiled (``converted``).
+    """
+    g, d = runs.get(guess), runs.get(default)
+    if g is None or d is None:
+        return _TangentPlan(default)
+    changed = sum(a != b for a, b in zip(guess, default))
+    sent = _sends(g.records, guess, chained, default)
+    if sent and (g.collectives <= g.forward + changed
+                 or _sends(d.records, guess, chained, default) and g.collectives <= d.collectives + changed):
+        return _TangentPlan(guess, traced=((default, d.grads),))
+    costs_more = sent and g.collectives > d.collectives + changed
+    return _TangentPlan(default, traced=((guess, g.grads),), converted=(guess,) if costs_more else ())
 
 
 def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
                      wide: Sequence[int]) -> tuple[_Variant | Refusal, _TangentPlan]:
-    """The first variant and the :class:`_TangentPlan` (Note: [The gradient a stack sends back]).
+    """The :class:`_TangentPlan` and its first variant, compiled once (Note:
+    [The gradient a stack sends back]).
 
     An output that feeds an input of the same spec in the next call (a
-    stack's block) is compiled for the guessed tangents (:func:`_guess`) when
-    its joint graph shows they are a fixed point and cost at most one
-    collective per converted output more than the forward's (no default
-    variant could cost less).  Otherwise the default is compiled, and the
-    guess only if the default's joint graph shows it costs more; a loser is
-    stopped at its joint graph, before Inductor generates any code.
+    stack's block) may be compiled for the guessed tangents
+    (:func:`_guess`); eager DTensor run on the fakes for both
+    (:func:`_eager_runs`) says which (:func:`_plan_tangents`).
     """
     default = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
     chained = _chained(inputs, outputs, example_inputs)
     guess = _guess(default, chained)
-
-    def compile_for(tangents: tuple, judge: Callable | None = None) -> _Variant | Refusal:
-        return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, tangents, wide, judge)
-
     if guess == default:
-        return compile_for(default), _TangentPlan(default)
-    changed = sum(g != d for g, d in zip(guess, default))
-    seen: dict[str, Any] = {}
-
-    def judge_guess(joint: fx.Graph, records: list[list]) -> None:
-        total, forward = _joint_collectives(joint)
-        seen["guess"] = (total, _sends(records, guess, chained, default), _grads(records))
-        if not (seen["guess"][1] and total <= forward + changed):
-            raise _Rejected
-
-    try:
-        first = compile_for(guess, judge_guess)
-    except _Rejected:
-        first = None
-    if isinstance(first, Refusal):
-        return first, _TangentPlan(guess)
-    if "guess" not in seen:
-        # compiled without its joint graph read (no joint pass ran): unjudged
-        return compile_for(default), _TangentPlan(default)
-    if first is not None:
-        return first, _TangentPlan(guess, traced=_eager_traced(gm, local_inputs, fake_mode, inputs, outputs,
-                                                               default, wide))
-    guess_total, guess_sent, guess_grads = seen["guess"]
-
-    def judge_default(joint: fx.Graph, records: list[list]) -> None:
-        total, _ = _joint_collectives(joint)
-        seen["default"] = (total, _grads(records))
-        # the guess wins after all when a default gradient arrives only at
-        # the last block and converts to it there (the default sends it)
-        if guess_sent and _sends(records, guess, chained, default) and guess_total <= total + changed:
-            raise _Rejected
-
-    try:
-        first = compile_for(default, judge_default)
-    except _Rejected:
-        return compile_for(guess), _TangentPlan(guess, traced=((default, seen["default"][1]),))
-    if isinstance(first, Refusal) or "default" not in seen:
-        return first, _TangentPlan(default)
-    costs_more = guess_sent and guess_total > seen["default"][0] + changed
-    return first, _TangentPlan(default, traced=((guess, guess_grads),), converted=(guess,) if costs_more else ())
+        plan = _TangentPlan(default)
+    else:
+        runs = _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (guess, default), wide)
+        plan = _plan_tangents(default, guess, chained, runs)
+    return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide), plan
 
 
 _SEEN = 16  # identities of arrived placements remembered per border
@@ -805,16 +820,11 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
 
 def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-                     wide: Sequence[int] = (), judge: Callable | None = None) -> _Variant | Refusal:
-    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its
-    AOT graphs; ``judge(joint_graph, records)`` reads the joint graph and what
-    each input's gradient recorded while it was traced (it may raise
-    :class:`_Rejected`)."""
+                     wide: Sequence[int] = ()) -> _Variant | Refusal:
+    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs."""
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    on_joint = None if judge is None else (lambda joint: judge(joint, records))
-    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode,
-                                                  on_joint)
+    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode)
     layer = compiled_layer(compiled.aot_graphs, fw_metadata)
     if isinstance(layer, Refusal):
         return layer
@@ -922,8 +932,7 @@ def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_on
     """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
 
     ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
-    (it must keep the AOT graphs: inductor or aot_eager, and read their
-    joint graphs: Note: [The gradient a stack sends back]); ``prepared``:
+    (it must keep the AOT graphs: inductor or aot_eager); ``prepared``:
     :func:`prepare`'s answer, if already asked.
     """
     p = prepared if prepared is not None else prepare(gm, example_inputs)

@@ -10,12 +10,6 @@ callable, the forward and backward AOT graphs with their compiled callables
 (:class:`AotGraph`), and compiles the backward at once (not at the first
 backward call): :mod:`localmap_fx.layer_sharing.runtime` calls them directly.
 ``as_is=True`` compiles the graph as it is, never behind a DTensor border.
-``on_joint`` is called once, with the graph's own AOTAutograd joint graph
-before it is partitioned (inductor and aot_eager: AOTAutograd's
-``joint_custom_pass``, after the joints of ``invoke_subgraph`` bodies and
-other subgraphs were partitioned, before Inductor's joint passes); it may
-raise to stop the compile before any code is generated (the lean border's
-tangent plan does).
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import torch.fx as fx
 from .observe import Observer
 from .options import INNER_COMPILERS, BackendOptions
 
-__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "OnJoint", "inner_compiler"]
+__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "inner_compiler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,39 +47,17 @@ class Compiled:
 # AOTAutograd hands its graphs to callbacks; the compile function appends
 # them here (None: not asked for)
 Kept = list[AotGraph] | None
-# compile_one(gm, example_inputs, aot_graphs=False, on_joint=None, as_is=False) -> Compiled
+# compile_one(gm, example_inputs, aot_graphs=False, as_is=False) -> Compiled
 CompileOne = Callable[..., Compiled]
-# on_joint(joint_graph): reads AOTAutograd's joint graph, changes nothing
-OnJoint = Callable[[fx.Graph], None]
-
-
-def _reading_joint(on_joint: OnJoint | None):
-    """AOTAutograd's joint pass, scoped to one compile: ``on_joint`` reads the
-    graph's joint, then the user's own joint pass (if any) runs as before."""
-    import contextlib
-
-    from .._torch_compat import functorch_config
-
-    if on_joint is None:
-        return contextlib.nullcontext()
-    theirs = functorch_config.joint_custom_pass
-
-    def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
-        on_joint(joint.graph)
-        return theirs(joint, joint_inputs) if callable(theirs) else joint
-
-    return functorch_config.patch(joint_custom_pass=joint_pass)
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-           keep: Kept = None, on_joint: OnJoint | None = None):
-    if on_joint is not None:
-        raise ValueError("the eager inner compiler traces no joint graph to read")
+           keep: Kept = None):
     return gm.forward
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-               keep: Kept = None, on_joint: OnJoint | None = None):
+               keep: Kept = None):
     import torch
     from functorch.compile import make_boxed_func
 
@@ -106,14 +78,14 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
         return compile_graph
 
-    with _backward_now(keep), _reading_joint(on_joint):
+    with _backward_now(keep):
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=recorder("forward"), bw_compiler=recorder("backward")
         )
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-              keep: Kept = None, on_joint: OnJoint | None = None):
+              keep: Kept = None):
     import torch
 
     from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
@@ -147,7 +119,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     before = cache_keys.CacheCounts.now()
     with _backward_now(keep), functorch_config.patch(
             enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
-            cache_keys.marked_cacheable(bool(lifted)), _reading_joint(on_joint):
+            cache_keys.marked_cacheable(bool(lifted)):
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
@@ -188,7 +160,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     watch = observer if observer is not None else Observer()
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False,
-                    on_joint: OnJoint | None = None, as_is: bool = False) -> Compiled:
+                    as_is: bool = False) -> Compiled:
         if not aot_graphs and not as_is and opts.uses_lean_border:
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
@@ -208,7 +180,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
-        fn = compile_fn(gm, example_inputs, opts, watch, keep, on_joint)
+        fn = compile_fn(gm, example_inputs, opts, watch, keep)
         return Compiled(fn, tuple(keep) if keep is not None else ())
 
     return compile_one

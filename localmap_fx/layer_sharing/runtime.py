@@ -53,7 +53,7 @@ from .._torch_compat import get_current_graph_task_keep_graph
 if TYPE_CHECKING:
     import torch.fx as fx
 
-    from ..compiler.inner import AotGraph, Compiled, CompileOne, OnJoint
+    from ..compiler.inner import AotGraph, Compiled, CompileOne
 
 __all__ = ["CompiledLayer", "compiled_layer", "compile_with_metadata", "Refusal", "Refused", "LayerRun", "RunStep"]
 
@@ -146,24 +146,23 @@ def _static(values: Sequence[Any]) -> bool:
 
 
 def compile_with_metadata(compile_one: CompileOne, gm: fx.GraphModule, example: list[Any], aot_graphs: bool,
-                          fake_mode: Any = None, on_joint: OnJoint | None = None) -> tuple[Compiled, Any]:
+                          fake_mode: Any = None) -> tuple[Compiled, Any]:
     """``compile_one`` under a TracingContext of its own; also returns the
     forward metadata AOTAutograd left there, which :func:`compiled_layer`
     reads (Note: [One TracingContext per piece] in :mod:`.compile`).
 
     ``fake_mode``: the examples' fake mode when the caller knows it (it is
-    detected from ``example`` otherwise); ``on_joint``: handed to
-    ``compile_one`` (it reads the joint graph).  The one place that reads
+    detected from ``example`` otherwise).  The one place that reads
     AOTAutograd's metadata back from a TracingContext."""
     from .._torch_compat import TracingContext, detect_fake_mode, tracing
 
     fake_mode = fake_mode if fake_mode is not None else detect_fake_mode(example)
     if fake_mode is None:
-        return compile_one(gm, example, aot_graphs, on_joint=on_joint), None
+        return compile_one(gm, example, aot_graphs), None
     context = TracingContext(fake_mode)
     # a graph may be compiled inside a backward (the lean border's variants), where grad mode is off
     with tracing(context), torch.enable_grad():
-        compiled = compile_one(gm, example, aot_graphs, on_joint=on_joint)
+        compiled = compile_one(gm, example, aot_graphs)
     return compiled, context.fw_metadata
 
 

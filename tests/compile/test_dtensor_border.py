@@ -624,57 +624,60 @@ def _border_inputs(gm, example_inputs):
     return inputs, outputs, fake, local, wide
 
 
-def _joint_of(fn, args, tangents):
-    """The aot_eager joint graph of ``fn``'s border wrapper for ``tangents``
-    (per output), and what each input's gradient recorded."""
+def _eager_runs_of(fn, args, tangent_sets):
+    """``_eager_runs`` over ``fn``'s border wrapper: per set of tangents (per
+    output), the collectives eager DTensor issues and each input's gradient."""
     from localmap_fx.compiler import dtensor_border as border_module
 
-    seen: list = []
+    got: dict = {}
 
     def backend(gm, example_inputs):
-        compile_one = inner_compiler(BackendOptions(inner="aot_eager", lean_border=False))
         inputs, outputs, fake, local, wide = _border_inputs(gm, example_inputs)
-        border_module._compile_variant(gm, local, fake, compile_one, inputs, outputs, tangents, wide,
-                                       judge=lambda joint, records: seen.append((joint, [list(r) for r in records])))
+        got.update(border_module._eager_runs(gm, local, fake, inputs, outputs, tangent_sets, wide))
         return gm.forward
 
     torch.compile(fn, backend=backend)(*args)
-    return seen[0]
+    return got
 
 
-def test_joint_collectives_counts_a_gather_for_a_gradient_as_backward():
-    """``_col_row``'s joint for a Partial gradient: the forward's all_reduce,
-    and in the backward two gathers of weights (they read no tangent, but only
-    gradients need them) and a reduce_scatter; for Replicate, the forward's
-    all_reduce alone."""
-    from localmap_fx.compiler.dtensor_border import _joint_collectives
-
+def test_eager_runs_count_a_gather_for_a_gradient_as_backward():
+    """``_col_row`` for a Partial gradient: the forward's all_reduce, and in
+    the backward two gathers of weights (DTensor's sharding propagation of
+    the matrix products' backward) and a reduce_scatter, as AOTAutograd's
+    joint graph has them; for Replicate, the forward's all_reduce alone.
+    One forward serves both backwards."""
     x = _dt((8, 16), [Replicate()], 0)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
-    joint, _ = _joint_of(_col_row, (x, w1, w2), ((Partial(),),))
-    assert _joint_collectives(joint) == (4, 1)
-    joint, _ = _joint_of(_col_row, (x, w1, w2), ((Replicate(),),))
-    assert _joint_collectives(joint) == (1, 1)
+    P, R = ((Partial(),),), ((Replicate(),),)
+    runs = _eager_runs_of(_col_row, (x, w1, w2), (P, R))
+    assert (runs[P].collectives, runs[P].forward) == (4, 1)
+    assert (runs[R].collectives, runs[R].forward) == (1, 1)
+    grads = {t: tuple(g for g in run.grads if g is not None) for t, run in runs.items()}  # no mesh slot
+    assert grads[P] == ((Partial(),), (Shard(1),), (Partial(),))
+    assert grads[R] == ((Partial(),), (Shard(1),), (Shard(0),))
 
 
-def test_joint_collectives_of_a_hand_written_joint():
-    """The calling convention read: forward outputs, then one gradient per
-    primal; a graph of another shape counts every collective as backward."""
-    from localmap_fx.compiler.dtensor_border import _joint_collectives
+def test_count_collectives_sees_dtensor_dispatch_and_skips_waits():
+    """A functional collective called on local tensors counts once (its wait
+    not at all), and so does one DTensor's dispatch issues inside an op: a
+    mode that took the DTensor op itself would see neither inside it."""
+    import torch.distributed._functional_collectives as funcol
 
-    funcol = torch.ops._c10d_functional
-    g = torch.fx.Graph()
-    x, w, t = g.placeholder("primals_1"), g.placeholder("primals_2"), g.placeholder("tangents_1")
-    y = g.call_function(funcol.all_reduce.default, (x, "sum", "0"))
-    gathered = g.call_function(funcol.all_gather_into_tensor.default, (w, 2, "0"))
-    gx = g.call_function(torch.ops.aten.mm.default, (t, gathered))
-    g.output([y, gx, None])
-    assert _joint_collectives(g) == (2, 1)
-    g2 = torch.fx.Graph()
-    a = g2.placeholder("primals_1")
-    g2.output(g2.call_function(funcol.all_reduce.default, (a, "sum", "0")))
-    assert _joint_collectives(g2) == (1, 0)
+    from localmap_fx.compiler.dtensor_border import _CountCollectives
+
+    mesh = mesh_1d()
+    x = _dt((8, 16), [Replicate()], 0)
+    w = _dt((16, 32), [Shard(0)], 1)
+    with _CountCollectives() as count:
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(4), "sum", mesh))
+    assert count.n == 1
+    with _CountCollectives() as count:
+        (x @ w.redistribute(mesh, [Replicate()])).to_local()
+    assert count.n == 1  # the gather of w
+    with _CountCollectives() as count:
+        _col_row(x, _dt((16, 32), [Shard(1)], 2), _dt((32, 16), [Shard(0)], 3))
+    assert count.n == 1  # the row's all_reduce
 
 
 def test_guess_makes_a_chained_replicate_partial():
@@ -707,11 +710,26 @@ def test_sends_asks_the_chained_input_for_the_guessed_placements():
     assert _sends([rec([R])], default, {0: 0}, default)  # nothing changed, nothing asked
 
 
+def _counting_joints():
+    """AOTAutograd's joint pass, counting the joint graphs traced (the user's setting, scoped)."""
+    from torch._functorch import config as functorch_config
+
+    joints: list = []
+
+    def count(joint, joint_inputs):
+        joints.append(len(joint.graph.nodes))
+        return joint
+
+    return functorch_config.patch(joint_custom_pass=count), joints
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_rejected_guess_generates_no_code(inner):
-    """``_col_row``: the Partial guess is stopped at its joint graph, so the
-    only AOT graphs handed to the inner compiler are the Replicate variant's
-    forward and backward, and a Partial gradient never compiles more."""
+def test_plan_traces_and_compiles_one_variant(inner):
+    """``_col_row``: eager runs on the fakes decide Replicate before anything
+    is traced, so AOTAutograd traces one joint graph (the plan used to trace
+    the Partial guess too and stop it at its joint), the inner compiler
+    gets that variant's forward and backward, and a Partial gradient never
+    compiles more."""
     x = _dt((8, 16), [Replicate()], 0)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
@@ -719,17 +737,20 @@ def test_rejected_guess_generates_no_code(inner):
     backend, seen = _recording(inner, on_aot_graph=lambda kind, gm: graphs.append(kind))
     f = torch.compile(_col_row, backend=backend)
     partial = _downstream([Partial()])
-    for _ in range(2):
-        partial(f(x, w1, w2)).backward()
+    counting, joints = _counting_joints()
+    with counting:
+        for _ in range(2):
+            partial(f(x, w1, w2)).backward()
     (border,) = seen
     assert border.plan.text() == "compile (R); convert (P(sum))"
     assert graphs == ["forward", "backward"]
+    assert len(joints) == 1
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_kept_guess_is_compiled_once(inner):
-    """The TP block: the Partial guess is kept at its joint, nothing else is
-    compiled, and a Replicate gradient (the last block's) converts to it."""
+    """The TP block: the Partial guess is compiled, one joint traced, nothing
+    else compiled, and a Replicate gradient (the last block's) converts to it."""
     from localmap_fx.testing.models import TPStack, tp_stack_input
 
     mesh = mesh_1d()
@@ -737,35 +758,14 @@ def test_kept_guess_is_compiled_once(inner):
     graphs: list = []
     backend, seen = _recording(inner, on_aot_graph=lambda kind, gm: graphs.append(kind))
     f = torch.compile(block, backend=backend)
-    for down in (_downstream([Partial()]), _downstream([Replicate()])):
-        down(f(x)).backward()
+    counting, joints = _counting_joints()
+    with counting:
+        for down in (_downstream([Partial()]), _downstream([Replicate()])):
+            down(f(x)).backward()
     (border,) = seen
     assert border.plan.text() == "compile (P(sum))"
     assert graphs == ["forward", "backward"]
-
-
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_users_joint_pass_still_runs_beside_the_reader(inner):
-    """AOTAutograd's joint pass setting is the user's too: theirs runs after
-    the border's reader, on the joint, and the plan is unchanged."""
-    from torch._functorch import config as functorch_config
-
-    from localmap_fx.testing.models import TPStack, tp_stack_input
-
-    calls: list = []
-
-    def user_pass(joint, joint_inputs):
-        calls.append(len(joint.graph.nodes))
-        return joint
-
-    mesh = mesh_1d()
-    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
-    backend, seen = _recording(inner)
-    with functorch_config.patch(joint_custom_pass=user_pass):
-        _downstream([Partial()])(torch.compile(block, backend=backend)(x)).backward()
-    (border,) = seen
-    assert border.plan.text() == "compile (P(sum))"
-    assert calls
+    assert len(joints) == 1
 
 
 @torch.compiler.nested_compile_region
@@ -816,8 +816,9 @@ def test_guess_refused_is_a_refusal_not_an_error():
 
 
 def test_eager_grads_are_eagers_placements():
-    """What the plan reads for a tangent it does not compile when the guess
-    won at once: the placements eager DTensor gives each input's gradient."""
+    """What the plan reads for the tangent it does not compile (and the
+    cacheable border for a gradient in other placements than traced): the
+    placements eager DTensor gives each input's gradient."""
     from localmap_fx.compiler import dtensor_border as border_module
 
     x = _dt((8, 16), [Replicate()], 0)
@@ -842,26 +843,36 @@ def test_eager_grads_are_eagers_placements():
     assert expected[Partial()][2] != expected[Replicate()][2]  # w2: P against S(0)
 
 
-def test_eager_partial_backward_of_col_row_runs_no_collective():
-    """torch's behaviour, pinned (docs/user-guide.md, upstream behaviour):
-    eager DTensor backpropagates a Partial gradient through ``_col_row`` with
-    no collective, where AOTAutograd's trace of the same code gathers both
-    weights and reduce-scatters (``test_joint_collectives_counts_a_gather_for_a_gradient_as_backward``)."""
+def test_eager_partial_backward_of_col_row_gathers_and_reduce_scatters():
+    """torch's behaviour, pinned: eager DTensor backpropagates a Partial
+    gradient through ``_col_row`` with the collectives AOTAutograd's trace
+    of the same code has, two gathers of the weights and a reduce_scatter.
+    A dispatch mode that takes DTensor ops itself sees none of them (they
+    run inside DTensor's dispatch of ``mm``), which is how an earlier version
+    of this test came to pin "no collective"."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
+    from localmap_fx.compiler.dtensor_border import _CountCollectives
+    from localmap_fx.graph_utils import collective_name, is_collective_op
+
+    class Naive(TorchDispatchMode):
         names: list = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "c10d" in func.namespace and "wait" not in func.__name__:
-                Count.names.append(func.__name__)
+            if is_collective_op(func):
+                Naive.names.append(collective_name(func))
             return func(*args, **(kwargs or {}))
 
     x = _dt((8, 16), [Replicate()], 0)
     w1 = _dt((16, 32), [Shard(1)], 1)
     w2 = _dt((32, 16), [Shard(0)], 2)
-    loss = _downstream([Partial()])(_col_row(x, w1, w2))
-    with Count():
+    partial = _downstream([Partial()])
+    with Naive():
+        partial(_col_row(x, w1, w2)).backward()
+    assert Naive.names == ["all_reduce"]  # the forward's, issued by redistribute on local tensors
+    _clear(x, w1, w2)
+    loss = partial(_col_row(x, w1, w2))
+    with _CountCollectives() as count:
         loss.backward()
-    assert Count.names == []
+    assert count.n == 3
     assert w2.grad.placements == (Partial(),)
