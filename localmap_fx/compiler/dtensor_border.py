@@ -460,10 +460,13 @@ class _TangentPlan:
     traced: tuple[tuple[tuple, tuple], ...] = ()
     # tangents known to cost more compiled than converted: never compiled
     converted: tuple = ()
+    # why a stack's block was not planned (its guess not judged), if it was not
+    unplanned: str = ""
 
     def text(self) -> str:
         out = f"compile {_placements_text(self.first)}"
-        return out + "".join(f"; convert {_placements_text(t)}" for t in self.converted)
+        out += "".join(f"; convert {_placements_text(t)}" for t in self.converted)
+        return out + (f" (not planned: {self.unplanned})" if self.unplanned else "")
 
 
 def _guess(default: tuple, chained: dict[int, int]) -> tuple:
@@ -540,40 +543,34 @@ def _eager_runs(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any,
                 outputs: Sequence[_Slot], tangent_sets: Sequence[tuple], wide: Sequence[int]) -> dict[tuple, _EagerRun]:
     """Per set of tangents, what eager DTensor does with ``gm`` on the fake
     examples: one forward, then one backward per set (nothing traced, nothing
-    compiled).  Empty when eager cannot run the graph on the fakes (say, an
-    in-place write to a leaf AOTAutograd copies first): the plan then
-    compiles the default, whose input gradients keep their traced placements."""
+    compiled).  Raises what eager raises when it cannot run the graph on the
+    fakes (say, an in-place write to a leaf that AOTAutograd would copy first)."""
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tuple(None for _ in outputs), records, wide)
     count = _CountCollectives()
     runs: dict[tuple, _EagerRun] = {}
-    try:
-        with fake_mode, count, torch.enable_grad():
-            outs = wrapped(*local_inputs)
-            forward = count.n
-            diff = [t for t in local_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-            for k, tangents in enumerate(tangent_sets):
-                pairs = [(o, _zero_gradient(o, t)) for o, t in zip(outs, tangents)
-                         if isinstance(o, torch.Tensor) and o.requires_grad]
-                for r in records:
-                    r.clear()
-                before = count.n
-                torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True,
-                                    retain_graph=k + 1 < len(tangent_sets))
-                runs[tuple(tangents)] = _EagerRun(tuple(tuple(r) for r in records), forward + count.n - before,
-                                                  forward)
-    except RuntimeError:
-        return {}
+    with fake_mode, count, torch.enable_grad():
+        outs = wrapped(*local_inputs)
+        forward = count.n
+        diff = [t for t in local_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        for k, tangents in enumerate(tangent_sets):
+            pairs = [(o, _zero_gradient(o, t)) for o, t in zip(outs, tangents)
+                     if isinstance(o, torch.Tensor) and o.requires_grad]
+            for r in records:
+                r.clear()
+            before = count.n
+            torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True,
+                                retain_graph=k + 1 < len(tangent_sets))
+            runs[tuple(tangents)] = _EagerRun(tuple(tuple(r) for r in records), forward + count.n - before,
+                                              forward)
     return runs
 
 
 def _eager_grads(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
                  outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
     """Per input, the placements eager DTensor gives its gradient for
-    ``tangents`` (None: no gradient); empty when eager cannot run the graph
-    on the fakes (:func:`_eager_runs`)."""
-    run = _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (tangents,), wide).get(tuple(tangents))
-    return () if run is None else run.grads
+    ``tangents`` (None: no gradient); raises as :func:`_eager_runs` does."""
+    return _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (tangents,), wide)[tuple(tangents)].grads
 
 
 def _plan_tangents(default: tuple, guess: tuple, chained: dict[int, int], runs: dict[tuple, _EagerRun]) -> _TangentPlan:
@@ -617,8 +614,13 @@ def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
     if guess == default:
         plan = _TangentPlan(default)
     else:
-        runs = _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (guess, default), wide)
-        plan = _plan_tangents(default, guess, chained, runs)
+        try:
+            runs = _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (guess, default), wide)
+        except Exception as e:  # noqa: BLE001  (any failure: the default, always correct, and the reason shown)
+            plan = _TangentPlan(default, unplanned=f"eager DTensor could not run the graph on fake values "
+                                                   f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
+        else:
+            plan = _plan_tangents(default, guess, chained, runs)
     return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide), plan
 
 

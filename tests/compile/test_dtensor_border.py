@@ -815,6 +815,34 @@ def test_guess_refused_is_a_refusal_not_an_error():
     assert isinstance(got, Refusal) and got.code == Refused.WRITES_INPUT
 
 
+def test_plan_that_cannot_run_eager_compiles_the_default_and_says_why(monkeypatch):
+    """When eager DTensor cannot run a stack's block on the fake values, the
+    border compiles the default (always correct), says so in its plan, and a
+    Partial gradient still gives eager's values and placements."""
+    from localmap_fx.compiler import dtensor_border as border_module
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(border_module, "_eager_runs", fail)
+    x = _dt((8, 16), [Replicate()], 0)
+    w1 = _dt((16, 32), [Shard(1)], 1)
+    w2 = _dt((32, 16), [Shard(0)], 2)
+    partial = _downstream([Partial()])
+    partial(_col_row(x, w1, w2)).backward()
+    eager = _grads(x, w1, w2)
+    _clear(x, w1, w2)
+    backend, seen = _recording("aot_eager")
+    partial(torch.compile(_col_row, backend=backend)(x, w1, w2)).backward()
+    (border,) = seen
+    assert border.plan.text() == "compile (R) (not planned: eager DTensor could not run the graph on fake values " \
+                                 "(RuntimeError: boom))"
+    got = _grads(x, w1, w2)
+    assert [g[0] for g in got] == [g[0] for g in eager]
+    for (_, a), (_, b) in zip(got, eager):
+        torch.testing.assert_close(a, b)
+
+
 def test_eager_grads_are_eagers_placements():
     """What the plan reads for the tangent it does not compile (and the
     cacheable border for a gradient in other placements than traced): the
