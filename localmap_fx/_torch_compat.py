@@ -110,8 +110,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("aot_module_simplified", "torch._functorch.aot_autograd", "aot_module_simplified", CHECKED,
            "the inner compilers run AOTAutograd on the lowered graph"),
     Symbol("functorch_config", "torch._functorch.config", None, CHECKED,
-           "scoped AOT settings (config.patch), the donated_buffer flag, and joint_custom_pass (the lean "
-           "border reads a compile's joint graph)"),
+           "scoped AOT settings (config.patch) and the donated_buffer flag"),
     Symbol("OutputType", "torch._functorch._aot_autograd.schemas", "OutputType", CHECKED,
            "a layer whose output aliases an input or another output keeps AOTAutograd's runtime"),
     Symbol("PlainTensorMeta", "torch._functorch._aot_autograd.schemas", "PlainTensorMeta", CHECKED,
