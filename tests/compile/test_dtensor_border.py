@@ -69,11 +69,14 @@ def _same(a, b):
 _col_row = col_row
 
 
+def _col_row_args():
+    """``_col_row``'s operands: x Replicate, w1 Shard(1), w2 Shard(0), seeded."""
+    return _dt((8, 16), [Replicate()], 0), _dt((16, 32), [Shard(1)], 1), _dt((32, 16), [Shard(0)], 2)
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_hand_written_graph_equals_eager_through_the_border(inner):
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
 
     loss = (_col_row(x, w1, w2) ** 2).sum()
     loss.backward()
@@ -109,9 +112,9 @@ def _downstream(placements):
 def test_block_is_compiled_for_the_gradient_the_next_block_sends():
     """A TP block (Replicate in, Replicate out, its weights inside local_map
     regions): the border compiles the Partial gradient the next block sends;
-    its joint graph shows the input's gradient is Partial too and one
-    collective more than its forward, so it is kept (Note: [The gradient a
-    stack sends back]).  A Replicate gradient (the last block's, from the loss) is turned
+    eager on the fakes shows the input's gradient is Partial too and one
+    collective more than its forward, so the plan keeps it (Note: [The
+    gradient a stack sends back]).  A Replicate gradient (the last block's, from the loss) is turned
     into Partial locally, as DTensor's backward does: nothing is compiled for
     it, and the gradients keep eager's placements.  Under the fake process
     group the collectives do nothing, so values are compared for the Partial
@@ -147,15 +150,13 @@ def test_block_is_compiled_for_the_gradient_the_next_block_sends():
 
 def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
     """A block of DTensor ops (``_col_row``: its weights outside any region):
-    for Partial its joint graph gathers both weights and reduce-scatters,
-    more than converting a Partial gradient to Replicate (one all_reduce), so
-    that compile is stopped, the border compiles Replicate only and converts a
-    Partial gradient, never compiling for it.  The weights' gradients keep eager's placements: ``w2``'s
+    for Partial its backward gathers both weights and reduce-scatters, more
+    than converting a Partial gradient to Replicate (one all_reduce), so the
+    border compiles Replicate only and converts a Partial gradient, never
+    compiling for it.  The weights' gradients keep eager's placements: ``w2``'s
     is Partial in eager, and is made so from the Replicate backward's
     ``Shard(0)`` (a local step)."""
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     partial = _downstream([Partial()])
     partial(_col_row(x, w1, w2)).backward()
     eager = _grads(x, w1, w2)
@@ -303,9 +304,7 @@ def test_border_remembers_few_placement_identities():
     memory of placements it saw stays bounded."""
     from localmap_fx.compiler import dtensor_border as module
 
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     backend, seen = _recording("aot_eager")
     f = torch.compile(_col_row, backend=backend)
     for _ in range(module._SEEN + 4):
@@ -367,9 +366,7 @@ def test_shard_output_with_plain_and_non_differentiable_outputs():
 
 
 def test_input_in_other_placements_than_traced_is_an_error():
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     backend, seen = _recording("aot_eager")
     torch.compile(_col_row, backend=backend)(x, w1, w2)
     (border,) = seen
@@ -396,9 +393,7 @@ def _frame_args(border, x, w1, w2):
 
 
 def test_double_backward_through_the_border_is_an_error():
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     backend, seen = _recording("aot_eager")
     # (with donated buffers, create_graph=True is refused already, with AOTAutograd's message)
     with torch._functorch.config.patch(donated_buffer=False):
@@ -646,9 +641,7 @@ def test_eager_runs_count_a_gather_for_a_gradient_as_backward():
     the matrix products' backward) and a reduce_scatter, as AOTAutograd's
     joint graph has them; for Replicate, the forward's all_reduce alone.
     One forward serves both backwards."""
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     P, R = ((Partial(),),), ((Replicate(),),)
     runs = _eager_runs_of(_col_row, (x, w1, w2), (P, R))
     assert (runs[P].collectives, runs[P].forward) == (4, 1)
@@ -730,9 +723,7 @@ def test_plan_traces_and_compiles_one_variant(inner):
     the Partial guess too and stop it at its joint), the inner compiler
     gets that variant's forward and backward, and a Partial gradient never
     compiles more."""
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     graphs: list = []
     backend, seen = _recording(inner, on_aot_graph=lambda kind, gm: graphs.append(kind))
     f = torch.compile(_col_row, backend=backend)
@@ -778,14 +769,12 @@ def _col_row_and_side(x, w1, w2, s):
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_plan_reads_the_graphs_joint_not_a_subgraphs(inner):
-    """A graph with an ``invoke_subgraph`` beside the block: AOTAutograd
-    partitions the subgraph's joint before the graph's own, and the plan must
-    read the graph's (the subgraph's has no collective and would make the
-    costly Partial look free)."""
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+def test_plan_counts_the_graphs_collectives_beside_a_subgraph(inner):
+    """A graph with an ``invoke_subgraph`` beside the block: the eager run
+    must count the graph's own collectives, the subgraph call running with
+    the counting mode set aside (a miscount would make the costly Partial
+    look free)."""
+    x, w1, w2 = _col_row_args()
     s = torch.randn(4, requires_grad=True)
     seen: list = []
 
@@ -825,9 +814,7 @@ def test_plan_that_cannot_run_eager_compiles_the_default_and_says_why(monkeypatc
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(border_module, "_eager_runs", fail)
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     partial = _downstream([Partial()])
     partial(_col_row(x, w1, w2)).backward()
     eager = _grads(x, w1, w2)
@@ -849,9 +836,7 @@ def test_eager_grads_are_eagers_placements():
     placements eager DTensor gives each input's gradient."""
     from localmap_fx.compiler import dtensor_border as border_module
 
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     expected = {}
     for placements in ([Replicate()], [Partial()]):
         _downstream(placements)(_col_row(x, w1, w2)).backward()
@@ -891,9 +876,7 @@ def test_eager_partial_backward_of_col_row_gathers_and_reduce_scatters():
                 Naive.names.append(collective_name(func))
             return func(*args, **(kwargs or {}))
 
-    x = _dt((8, 16), [Replicate()], 0)
-    w1 = _dt((16, 32), [Shard(1)], 1)
-    w2 = _dt((32, 16), [Shard(0)], 2)
+    x, w1, w2 = _col_row_args()
     partial = _downstream([Partial()])
     with Naive():
         partial(_col_row(x, w1, w2)).backward()
