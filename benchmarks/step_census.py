@@ -31,7 +31,7 @@ from collections import Counter
 
 import torch
 
-from .depth_bench import MARKED, SHAPES, build
+from .depth_bench import MARKED, QUICK, SHAPES, STYLE_COLUMNS, build
 
 __all__ = ["WAYS", "collectives_per_step", "census", "main"]
 
@@ -92,7 +92,7 @@ def _table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--styles", nargs="+", default=["module", "attention"], choices=sorted(SHAPES))
+    p.add_argument("--styles", nargs="+", default=["module", "attention"], choices=sorted(SHAPES))  # the styles with steady-step shapes
     p.add_argument("--layers", nargs="+", type=int, default=[16])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=5)
@@ -105,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     mesh = _init_fake_pg()
     results = {}
     for style in a.styles:
-        ways = WAYS if style != "functional" else tuple(w for w in WAYS if w != MARKED)
+        ways = tuple(w for w in WAYS if w in STYLE_COLUMNS[style])
         for n in ([2] if a.quick else a.layers):
-            shape = {"module": {"batch": 8, "d": 16, "hidden": 32}, "functional": {"batch": 8, "d": 16, "hidden": 32},
-                     "attention": {"batch": 2, "seq": 8, "d": 16, "n_heads": 4}}[style] if a.quick else SHAPES[style]
+            shape = (QUICK["shapes"] if a.quick else SHAPES)[style]
             results[f"{style}/{n}"] = census(mesh, style, n, 1 if a.quick else a.rounds,
                                              1 if a.quick else a.calls, shape, ways)
     print(json.dumps(results, indent=1) if a.json else _table(results))
