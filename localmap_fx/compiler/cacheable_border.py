@@ -60,12 +60,12 @@ from torch.distributed.tensor import DTensor
 from ..graph_utils import calls_invoke_subgraph
 from ..layer_sharing.runtime import Refusal
 from . import cache_keys
+from .conversions import Conversion, plan_conversion
 from .dtensor_border import (
     DTensorBorder,
     Prepared,
     _Calls,
     _chained,
-    _convert,
     _default_tangent,
     _eager_grads,
     _Enter,
@@ -80,7 +80,7 @@ from .dtensor_border import (
     check_inputs,
     dtensor_border,
     prepare,
-    regrad_specs,
+    regrad_conversions,
 )
 
 __all__ = ["BORDER_ENTER", "BORDER_LEAVE", "CacheableBorder", "border_enter", "border_for", "border_leave",
@@ -296,8 +296,10 @@ class CacheableBorder:
         self._out_specs = tuple(self.outputs[i].spec for i in self._dt_outputs)
         # per DTensor output: the spec its gradient is traced in
         self._tangent_specs = tuple(_respec(self.outputs[i].spec, tangents[i]) for i in self._dt_outputs)
-        # arrived tangents -> {input: the spec eager gives its gradient}
-        self._regrads: dict[tuple, dict[int, Any]] = {}
+        # arrived tangents -> {input: its gradient's conversion to the placements eager gives it}
+        self._regrads: dict[tuple, dict[int, Conversion]] = {}
+        # (DTensor output, arrived placements) -> the conversion to the traced tangent
+        self._to_traced: dict[tuple[int, tuple], Conversion] = {}
 
     def text(self) -> str:
         return (f"DTensor border, AOTAutograd's runtime (torch's caches serve it): "
@@ -321,7 +323,15 @@ class CacheableBorder:
             outs[i] = wrapped[k]
         return tuple(outs)
 
-    def regrad_for(self, arrived: tuple) -> dict[int, Any]:
+    def to_traced(self, k: int, g: DTensor) -> DTensor:
+        """The gradient ``g`` of DTensor output ``k`` in the placements traced (AOTAutograd's way)."""
+        key = (k, tuple(g.placements))
+        convert = self._to_traced.get(key)
+        if convert is None:
+            convert = self._to_traced[key] = plan_conversion(g._spec, self._tangent_specs[k])
+        return convert(g._local_tensor)
+
+    def regrad_for(self, arrived: tuple) -> dict[int, Conversion]:
         """For gradients that arrived in ``arrived`` (per graph output) where
         the trace assumed others: input -> the spec eager DTensor gives its
         gradient, where it differs from the traced one (as the lean border's
@@ -335,7 +345,7 @@ class CacheableBorder:
                 # eager cannot run the graph on the fakes: the traced
                 # placements, the same values
                 wanted = (None,) * len(p.inputs)
-            regrad = regrad_specs(wanted, self._in_grad_specs)
+            regrad = regrad_conversions(wanted, self._in_grad_specs)
             self._regrads[arrived] = regrad
         return regrad
 
@@ -375,8 +385,8 @@ class _Unwrap(torch.autograd.Function):
                 continue
             if spec is None:
                 raise RuntimeError(f"localmap_fx: DTensor input {i} got a gradient its trace did not record")
-            target = regrad.get(i) if regrad else None
-            out.append(_new_dtensor(g, spec) if target is None else _convert(g, spec, target))
+            convert = regrad.get(i) if regrad else None
+            out.append(_new_dtensor(g, spec) if convert is None else convert(g))
         return (None, None, *out)
 
 
@@ -409,7 +419,7 @@ class _Wrap(torch.autograd.Function):
                 if arrived is None:
                     arrived = list(border.tangents)
                 arrived[border._dt_outputs[k]] = tuple(g.placements)
-                g = _convert(g._local_tensor, g._spec, spec)
+                g = border.to_traced(k, g)
             out.append(g._local_tensor)
         # assigned each backward: a retained graph's next backward may see other placements
         ctx.state.regrad = border.regrad_for(tuple(arrived)) if arrived is not None else None

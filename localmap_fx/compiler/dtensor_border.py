@@ -163,6 +163,7 @@ from torch.distributed.tensor import DTensor
 from .._torch_compat import FakeTensor, HigherOrderOperator, TorchDispatchMode, get_current_graph_task_keep_graph
 from ..graph_utils import is_collective_op
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
+from .conversions import Conversion, plan_conversion
 
 if TYPE_CHECKING:
     from .inner import AotGraph, CompileOne
@@ -639,11 +640,13 @@ class _Backward:
     wraps: tuple[tuple[int, int, Any], ...]
     # the gradients must first be redistributed to the first variant's placements
     redistribute: bool
-    # with redistribute: per DTensor output, (output index, the spec its gradient is turned into)
-    to_first: tuple[tuple[int, Any], ...] = ()
-    # per input gradient then redistributed: input index -> the spec the
-    # arriving tangents give it in eager (Note: [The gradient a stack sends back])
-    regrad: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # with redistribute: per DTensor output whose gradient arrives in other
+    # placements, (output index, its conversion to the first variant's)
+    to_first: tuple[tuple[int, Conversion], ...] = ()
+    # per input gradient then redistributed: input index -> its conversion to
+    # the placements the arriving tangents give it in eager (Note: [The
+    # gradient a stack sends back])
+    regrad: dict[int, Conversion] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool) -> _Backward:
@@ -746,10 +749,11 @@ class DTensorBorder:
         """A converted gradient's specs, built once (Note: [The gradient a stack
         sends back]): the first variant's tangents, and the input gradients
         whose placements eager gives otherwise for ``tangents``."""
-        to_first = tuple((i, _respec(s.spec, t)) for i, (s, t) in enumerate(zip(self.outputs, self.first.tangents))
-                         if s.spec is not None and t is not None)
+        to_first = tuple((i, plan_conversion(_respec(s.spec, a), _respec(s.spec, t)))
+                         for i, (s, a, t) in enumerate(zip(self.outputs, tangents, self.first.tangents))
+                         if s.spec is not None and a is not None and t is not None and tuple(a) != tuple(t))
         wanted = dict(self.plan.traced).get(tangents, ())
-        return {"to_first": to_first, "regrad": regrad_specs(wanted, self.first.in_grad_specs)}
+        return {"to_first": to_first, "regrad": regrad_conversions(wanted, self.first.in_grad_specs)}
 
     def variant_for(self, tangents: tuple) -> _Variant | None:
         """The variant for gradients in ``tangents`` (compiled at the first call), None if unusable."""
@@ -790,11 +794,11 @@ def check_grad(i: int, g: Any) -> None:
             f"not a DTensor like the output")
 
 
-def regrad_specs(wanted: Sequence[Any], got: Sequence[Any]) -> dict[int, Any]:
-    """Input -> the spec its gradient must be redistributed to: where eager
-    gives placements ``wanted[i]`` other than the traced spec ``got[i]`` (Note:
-    [The gradient a stack sends back])."""
-    return {i: _respec(g, tuple(w)) for i, (w, g) in enumerate(zip(wanted, got))
+def regrad_conversions(wanted: Sequence[Any], got: Sequence[Any]) -> dict[int, Conversion]:
+    """Input -> the conversion of its gradient: where eager gives placements
+    ``wanted[i]`` other than the traced spec ``got[i]`` (Note: [The gradient
+    a stack sends back])."""
+    return {i: plan_conversion(g, _respec(g, tuple(w))) for i, (w, g) in enumerate(zip(wanted, got))
             if w is not None and g is not None and tuple(w) != tuple(g.placements)}
 
 
@@ -1006,10 +1010,10 @@ class _BorderFunction(torch.autograd.Function):
         if bw.redistribute:
             # Note: [A backward per tangent placement]: AOTAutograd's way
             converted = list(grads)
-            for i, spec in bw.to_first:
+            for i, convert in bw.to_first:
                 g = converted[i]
-                if g is not None and g.placements != spec.placements:
-                    converted[i] = _convert(g._local_tensor, g._spec, spec)
+                if g is not None:
+                    converted[i] = convert(g._local_tensor)
             grads = tuple(converted)
         layer = bw.variant.layer
         if layer.donates_buffers and get_current_graph_task_keep_graph():
@@ -1040,8 +1044,8 @@ class _BorderFunction(torch.autograd.Function):
             if g is not None:
                 if spec is None:
                     raise AssertionError("a DTensor input got a gradient its trace did not record")
-                target = bw.regrad.get(i) if bw.regrad else None
-                out[i] = _new_dtensor(g, spec) if target is None else _convert(g, spec, target)
+                regrad = bw.regrad.get(i) if bw.regrad else None
+                out[i] = _new_dtensor(g, spec) if regrad is None else regrad(g)
         return (None, *out[:n])
 
 
@@ -1049,16 +1053,6 @@ def _respec(spec: Any, placements: Placements) -> Any:
     """``spec`` with other placements (same mesh, global shape, stride, dtype)."""
     meta = spec.tensor_meta
     return _spec(spec.mesh, placements, meta.shape, meta.stride, meta.dtype)
-
-
-def _convert(local: torch.Tensor, spec: Any, target: Any) -> DTensor:
-    """The DTensor of ``local`` (in ``spec``) redistributed to ``target``, as
-    DTensor's own backward redistributes: Replicate to Partial too, which
-    ``DTensor.redistribute`` refuses (a local division for a sum), and
-    without DTensor.redistribute's autograd and argument handling."""
-    from .._torch_compat import redistribute_local_tensor
-
-    return _new_dtensor(redistribute_local_tensor(local, spec, target), target)
 
 
 def _new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.layer_sharing.runtime",
         "localmap_fx.layer_sharing.unwrap",
         "localmap_fx.compiler.cache_keys",
+        "localmap_fx.compiler.conversions",
         "localmap_fx.lowering",
         "localmap_fx.debug.layout",
     ),
