@@ -698,11 +698,19 @@ class DTensorBorder:
         self._seen: dict[tuple[int, ...], tuple[tuple, _Backward]] = {}
 
     def text(self) -> str:
-        seen = ", ".join(
-            f"{_placements_text(t)}{'' if v is not None else ' (redistributed)'}" for t, v in self.variants.items())
+        seen = ", ".join(self._variant_text(t, v) for t, v in self.variants.items())
         return f"DTensor border: {sum(s.spec is not None for s in self.inputs)} DTensor inputs, " \
                f"{sum(s.spec is not None for s in self.outputs)} DTensor outputs; backward for tangents {seen} " \
                f"(planned: {self.plan.text()})"
+
+    def _variant_text(self, tangents: tuple, variant: _Variant | None) -> str:
+        """``(P)``, or ``(P) (redistributed: P->R@tp:all_reduce; input 3: S(0)->P@tp:embed)`` for a converted one."""
+        if variant is not None:
+            return _placements_text(tangents)
+        bw = self._backwards.get(tangents)
+        steps = [] if bw is None else [c.text() for _, c in bw.to_first] + [
+            f"input {i}: {c.text()}" for i, c in bw.regrad.items()]
+        return f"{_placements_text(tangents)} (redistributed{': ' + '; '.join(steps) if steps else ''})"
 
     def __call__(self, *args: Any) -> tuple:
         check_inputs(self._in_checks, args)

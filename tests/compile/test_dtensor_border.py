@@ -152,6 +152,7 @@ def test_block_is_compiled_for_the_gradient_the_next_block_sends():
     replicate(f(x)).backward()
     assert list(border.variants) == [((Partial(),),), ((Replicate(),),)]
     assert border.variants[((Replicate(),),)] is None  # converted, not compiled
+    assert "(R) (redistributed: R->P@tp:partition)" in border.text()
     assert [g[0] for g in _grads(*leaves)] == [g[0] for g in eager[replicate]]
 
 
@@ -178,6 +179,10 @@ def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
         assert border.plan.converted == (((Partial(),),),)
         assert border.plan.text() == "compile (R); convert (P(sum))"
         assert border.variants == {((Replicate(),),): border.first, ((Partial(),),): None}
+        # each conversion planned once, as direct steps: the arriving gradient
+        # all_reduced, w2's Shard(0) gradient laid into zeros as eager's Partial
+        assert border.text().endswith("backward for tangents (R), (P(sum)) (redistributed: P->R@tp:all_reduce; "
+                                      "input 2: S(0)->P@tp:embed) (planned: compile (R); convert (P(sum)))")
         assert [g[0] for g in _grads(x, w1, w2)] == [g[0] for g in eager]
         _clear(x, w1, w2)
 
