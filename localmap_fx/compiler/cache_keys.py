@@ -60,9 +60,10 @@ Note: [Stable keys behind the border]
     With default options two kinds of graph keep their AOT graphs and run on
     the backend's runtime, so their meshes leave by default:
 
-    * a graph compiled whole behind the lean DTensor border (whole model,
-      regional block): ``compile_one`` (compiler/inner.py) lifts Dynamo's
-      graph with :func:`lift_meshes` before ``dtensor_border`` wraps it, and
+    * a graph compiled behind the lean DTensor border (whole model,
+      regional block, a layer piece that DTensor weights enter, such as the
+      marked attention stack's block): ``compile_one`` (compiler/inner.py)
+      lifts the graph with :func:`lift_meshes` before ``dtensor_border`` wraps it, and
       Dynamo's mesh arguments are dropped by :func:`without_meshes`, when
       every mesh input is also a DTensor input's mesh (``carried_only``:
       the border takes the user's mesh objects for its specs from the
@@ -79,10 +80,9 @@ Note: [Stable keys behind the border]
     (A whole model under Inductor takes the border torch's caches serve
     instead, which declares ``mesh_constant`` and its own calls cacheable:
     Note: [A border torch's caches can serve] in cacheable_border.py.)
-    Still missing: a layer piece a DTensor enters, and a piece without a
-    layer key, such as the tail (the loss) of a marked stack, which runs on
-    AOTAutograd's runtime: its AOT and FX keys still hold the mesh, and
-    lifting it fails in AOTAutograd's partitioner (:func:`find_mesh_inputs`).
+    Still missing: a piece that runs on AOTAutograd's runtime (the border
+    refused it): its AOT and FX keys still hold the mesh, and lifting it
+    fails in AOTAutograd's partitioner (:func:`find_mesh_inputs`).
 """
 
 from __future__ import annotations
@@ -181,16 +181,22 @@ class MeshInput:
     key: str
 
 
-def find_mesh_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[MeshInput, ...]:
-    """The mesh inputs of Dynamo's graph ``gm`` that can be lifted; () when any cannot."""
+def find_mesh_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     behind_border: bool = False) -> tuple[MeshInput, ...]:
+    """The mesh inputs of Dynamo's graph ``gm`` that can be lifted; () when any cannot.
+
+    ``behind_border``: ``gm`` is compiled behind the lean DTensor border,
+    where a piece of a split frame is lifted too."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    # only Dynamo's own graph: AOTAutograd fails on a lifted piece of a split
-    # frame (layer_sharing/compile.py), e.g. the tail of a 4-layer TP stack under
-    # share_layers=True, from_local of a plain input: "Node tangents_2 was
-    # invalid, but is output" in the partitioner; not yet understood
-    # (layer_sharing/piece_meshes.py lifts shared layer pieces, which keep
-    # their AOT graphs)
-    if "dynamo_compile_id" not in gm.meta or len(placeholders) != len(example_inputs):
+    # only Dynamo's own graph under AOTAutograd's runtime: AOTAutograd fails
+    # on a lifted piece of a split frame (layer_sharing/compile.py), e.g. the
+    # tail of a 4-layer TP stack under share_layers=True, from_local of a plain
+    # input: "Node tangents_2 was invalid, but is output" in the partitioner;
+    # not yet understood (layer_sharing/piece_meshes.py lifts shared layer
+    # pieces, which keep their AOT graphs).  Behind the lean border
+    # AOTAutograd traces the local-level wrapper, the mesh a constant in it
+    # (a layer piece a DTensor enters: the marked attention stack's block).
+    if not behind_border and "dynamo_compile_id" not in gm.meta or len(placeholders) != len(example_inputs):
         return ()
     return mesh_inputs(placeholders, example_inputs)
 
@@ -277,7 +283,7 @@ def lift_meshes(gm: fx.GraphModule, example_inputs: Sequence[Any], carried_only:
 
     from ..passes import apply
 
-    found = find_mesh_inputs(gm, example_inputs)
+    found = find_mesh_inputs(gm, example_inputs, behind_border=carried_only)
     carried = [v.device_mesh for v in example_inputs if isinstance(v, DTensor)]
     if carried_only and not all(any(example_inputs[m.position] == c for c in carried) for m in found):
         found = ()

@@ -23,8 +23,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: bool = True) -> None:
-    """One compile of the TP stack in this (fresh) process; prints a JSON line."""
+def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: bool = True,
+            style: str = "module") -> None:
+    """One compile of the TP stack (``style="attention"``: the attention stack)
+    in this (fresh) process; prints a JSON line."""
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -41,8 +43,15 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     impl = "torch" if mode == "upstream" else "ours"
-    model = TPStack(mesh, n_layers, d=16, hidden=32, impl=impl, marked=mode == "marked")
-    x = tp_stack_input(mesh, batch=8, d=16)
+    model: Any
+    if style == "attention":
+        from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
+
+        model = AttnStack(mesh, n_layers, d=16, n_heads=4, impl=impl, marked=mode == "marked")
+        x = attn_stack_input(mesh, 2, 8, 16)
+    else:
+        model = TPStack(mesh, n_layers, d=16, hidden=32, impl=impl, marked=mode == "marked")
+        x = tp_stack_input(mesh, batch=8, d=16)
     f: Any
     be = localmap_fx.backend(stable_cache_keys=stable, share_layers=True if mode == "shared" else "auto")
     if mode == "regional":
@@ -75,10 +84,10 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: 
 
 
 def _run(mode: str, cache_dir: str, n_layers: int = 2, steps: int = 1, save: str = "", load: str = "",
-         stable: bool = True) -> dict:
+         stable: bool = True, style: str = "module") -> dict:
     code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests', 'compile')!r})\n"
             "from test_warm_restart import _worker\n"
-            f"_worker({mode!r}, {n_layers}, {steps}, {save!r}, {load!r}, {stable!r})\n")
+            f"_worker({mode!r}, {n_layers}, {steps}, {save!r}, {load!r}, {stable!r}, {style!r})\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
@@ -161,6 +170,24 @@ def test_a_marked_blocks_layer_hits_the_fx_graph_cache_in_a_new_process(tmp_path
     warm = _run("marked", str(tmp_path / "cache"), n_layers=3, stable=False)
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
     assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 2, warm
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+def test_a_marked_layer_that_dtensor_weights_enter_hits_the_fx_graph_cache_in_a_new_process(tmp_path):
+    """Default options, the attention stack's marked blocks: DTensor weights
+    enter the shared layer piece, so it runs behind the lean DTensor border,
+    which lifts the piece's mesh input too (``lift_meshes(...,
+    carried_only=True)``).  Every Inductor compile of the first process is an
+    FX graph cache hit in the second (before, the layer's forward, whose
+    inputs held the mesh, missed: its key pickled the mesh's address-based
+    ``_hash``)."""
+    cold = _run("marked", str(tmp_path / "cache"), n_layers=2, stable=False, style="attention")
+    warm = _run("marked", str(tmp_path / "cache"), n_layers=2, stable=False, style="attention")
+    compiles = cold["inductor"].get("fxgraph_cache_miss", 0) + cold["inductor"].get("fxgraph_cache_hit", 0)
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    assert warm["inductor"].get("fxgraph_cache_hit", 0) == compiles, warm
     _same_numbers(cold, warm)
 
 
