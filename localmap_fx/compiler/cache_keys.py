@@ -196,7 +196,7 @@ def find_mesh_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
     # pieces, which keep their AOT graphs).  Behind the lean border
     # AOTAutograd traces the local-level wrapper, the mesh a constant in it
     # (a layer piece a DTensor enters: the marked attention stack's block).
-    if not behind_border and "dynamo_compile_id" not in gm.meta or len(placeholders) != len(example_inputs):
+    if (not behind_border and "dynamo_compile_id" not in gm.meta) or len(placeholders) != len(example_inputs):
         return ()
     return mesh_inputs(placeholders, example_inputs)
 

@@ -31,20 +31,21 @@ twice keeps DTensor's way.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..lowering.plan import plan_redistribute
 
-__all__ = ["Conversion", "plan_conversion"]
+__all__ = ["Conversion", "new_dtensor", "plan_conversion"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _AllReduce:
     """``Partial`` -> ``Replicate`` on one mesh dimension."""
 
+    kind: ClassVar[str] = "all_reduce"
     reduce_op: str
     group_name: str
 
@@ -57,6 +58,7 @@ class _AllReduce:
 class _Embed:
     """``Shard(dim)`` -> ``Partial(sum)``: this rank's shard in zeros of the dimension's global size."""
 
+    kind: ClassVar[str] = "embed"
     dim: int
     offset: int
     size: int
@@ -77,6 +79,7 @@ class _Embed:
 class _Partition:
     """``Replicate`` -> ``Partial``: each rank's share of the value (``divisor`` 1: the value itself)."""
 
+    kind: ClassVar[str] = "partition"
     divisor: int
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
@@ -110,8 +113,20 @@ class Conversion:
     def __call__(self, local: torch.Tensor) -> DTensor:
         for step in self.steps:
             local = step.run(local)
-        # DTensor(...) without __init__'s eval-frame switch (dtensor_border._new_dtensor)
-        return DTensor.__new__(DTensor, local, self.dst, requires_grad=False)
+        return new_dtensor(local, self.dst)
+
+
+def new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
+    """``DTensor(local, spec, requires_grad=False)`` without its ``__init__``.
+
+    ``DTensor(...)`` is ``DTensor.__new__`` (the C++ constructor, which sets
+    the spec and the local tensor) then ``DTensor.__init__``, which does
+    nothing but is wrapped in ``torch._disable_dynamo`` (an eval-frame switch,
+    more than half of the construction's time).  A border builds its
+    DTensors where Dynamo never traces (inside the compiled graph's call,
+    which Dynamo runs disabled, and in its backward).
+    """
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def plan_conversion(src: Any, dst: Any) -> Conversion:
@@ -125,9 +140,9 @@ def plan_conversion(src: Any, dst: Any) -> Conversion:
     step = _direct(plan.steps, src, meta) if len(plan.steps) == 1 else None
     if step is None:
         return Conversion(dst, (_Redistribute(src, dst),), texts)
-    name = {_AllReduce: "all_reduce", _Embed: "embed", _Partition: "partition"}[type(step)]
+    # the planner's text names the collective ("local" for two of these): name the step instead
     head, _, _ = texts[0].rpartition(":")
-    return Conversion(dst, (step,), (f"{head}:{name}",))
+    return Conversion(dst, (step,), (f"{head}:{step.kind}",))
 
 
 def _direct(steps: tuple, src: Any, meta: Any) -> Any:

@@ -164,6 +164,7 @@ from .._torch_compat import FakeTensor, HigherOrderOperator, TorchDispatchMode, 
 from ..graph_utils import is_collective_op
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
 from .conversions import Conversion, plan_conversion
+from .conversions import new_dtensor as _new_dtensor
 
 if TYPE_CHECKING:
     from .inner import AotGraph, CompileOne
@@ -754,9 +755,9 @@ class DTensorBorder:
         return bw
 
     def _conversions(self, tangents: tuple) -> dict:
-        """A converted gradient's specs, built once (Note: [The gradient a stack
-        sends back]): the first variant's tangents, and the input gradients
-        whose placements eager gives otherwise for ``tangents``."""
+        """A converted gradient's conversions, planned once (Note: [The gradient
+        a stack sends back]): to the first variant's tangents, and of the input
+        gradients whose placements eager gives otherwise for ``tangents``."""
         to_first = tuple((i, plan_conversion(_respec(s.spec, a), _respec(s.spec, t)))
                          for i, (s, a, t) in enumerate(zip(self.outputs, tangents, self.first.tangents))
                          if s.spec is not None and a is not None and t is not None and tuple(a) != tuple(t))
@@ -1061,16 +1062,3 @@ def _respec(spec: Any, placements: Placements) -> Any:
     """``spec`` with other placements (same mesh, global shape, stride, dtype)."""
     meta = spec.tensor_meta
     return _spec(spec.mesh, placements, meta.shape, meta.stride, meta.dtype)
-
-
-def _new_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
-    """``DTensor(local, spec, requires_grad=False)`` without its ``__init__``.
-
-    ``DTensor(...)`` is ``DTensor.__new__`` (the C++ constructor, which sets
-    the spec and the local tensor) then ``DTensor.__init__``, which does
-    nothing but is wrapped in ``torch._disable_dynamo`` (an eval-frame switch,
-    more than half of the construction's time).  The border builds its
-    DTensors where Dynamo never traces (inside the compiled graph's call,
-    which Dynamo runs disabled, and in its backward).
-    """
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
