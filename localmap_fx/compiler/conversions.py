@@ -81,6 +81,8 @@ class _Partition:
 
     kind: ClassVar[str] = "partition"
     divisor: int
+    reduce_op: str
+    group_name: str
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
         return local / self.divisor if self.divisor != 1 else local
@@ -109,6 +111,14 @@ class Conversion:
 
     def text(self) -> str:
         return "; ".join(self.texts) if self.texts else "noop"
+
+    def undone_by(self, reduce_op: str, group_name: str) -> bool:
+        """Whether an ``all_reduce(reduce_op)`` over ``group_name`` of this
+        conversion's result is the value it converted: a lone ``Replicate ->
+        Partial(reduce_op)`` partition over that group (n shares of ``v / n``
+        sum to ``v``; avg, min and max of equal values are that value)."""
+        return (len(self.steps) == 1 and type(self.steps[0]) is _Partition
+                and self.steps[0].reduce_op == reduce_op and self.steps[0].group_name == group_name)
 
     def __call__(self, local: torch.Tensor) -> DTensor:
         for step in self.steps:
@@ -152,9 +162,10 @@ def _direct(steps: tuple, src: Any, meta: Any) -> Any:
     if type(a) is Partial and type(b) is Replicate:
         return _AllReduce(a.reduce_op, mesh.get_group(k).group_name)
     if type(a) is Replicate and type(b) is Partial:
+        group = mesh.get_group(k).group_name
         if b.reduce_op == "sum":
-            return _Partition(mesh.size(k))
-        return _Partition(1) if b.reduce_op in ("avg", "min", "max") else None
+            return _Partition(mesh.size(k), b.reduce_op, group)
+        return _Partition(1, b.reduce_op, group) if b.reduce_op in ("avg", "min", "max") else None
     if type(a) is Shard and type(b) is Partial and b.reduce_op == "sum":
         others = [p for j, p in enumerate(src.placements) if j != k]
         if any(type(p) not in (Shard, Replicate, Partial) or type(p) is Shard and p.dim == a.dim for p in others):

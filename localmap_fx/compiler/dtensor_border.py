@@ -104,9 +104,32 @@ Note: [The gradient a stack sends back]
         then:    trace (P), read its joint: keep it, or stop and trace (R)
         now:     eager on fakes: forward, backward (P), backward (R); compile the winner once
         TP:      (P): 2 collectives, forward 1, x's gradient P -> compile (P);
-                 the last block's R gradient: R -> P locally
+                 the last block's R gradient: R -> P locally, not summed again
         attn:    (P): 4 collectives, forward 1; (R): 1 -> compile (R);
                  P -> R (all_reduce), wo's gradient S(0) -> P as eager
+
+Note: [The tangent's all_reduce belongs to the border]
+    The TP block's backward compiled for a Partial gradient starts with its
+    sum over the mesh (``Partial -> Replicate``, before the row region's
+    local backward).  The last block of a stack receives the loss's
+    Replicate gradient: converted to Partial (``g / n``), the compiled
+    backward summed it back to ``g``: one all_reduce per step more than
+    eager and upstream (32 against 31 in a 16-layer stack).  So the variant
+    compiled for a guessed tangent has that sum taken out of its backward
+    graph (:func:`~localmap_fx.passes.hoist_tangent_reductions.hoist_tangent_reductions`:
+    its result becomes a placeholder after the tangents) and the border
+    supplies it: for a gradient that arrived Partial, the same functional
+    all_reduce over the same group (the same values, the same collective
+    count); for one whose conversion the sum undoes (a lone ``Replicate ->
+    Partial`` over that group, :meth:`Conversion.undone_by`), the gradient
+    as it arrived, which is what eager's backward reads there.  The other
+    uses of the tangent (the residual's) keep the converted value.  Only
+    the planned guess is compiled so: a default variant's arrivals are its
+    own placements, and the sum would only move out of compiled code::
+
+        before:  bw(saved, g/2) = ... wait(all_reduce(g/2)) ...    last block: 1 collective
+        after:   bw(saved, g/2, g)                                 last block: none
+                 bw(saved, p, wait(all_reduce(p)))                 other blocks: 1, as before
 
 Note: [A gradient wider than its input]
     Eager DTensor gives a Shard parameter a Partial gradient when the op that
@@ -163,6 +186,7 @@ from torch.distributed.tensor import DTensor
 from .._torch_compat import FakeTensor, HigherOrderOperator, TorchDispatchMode, get_current_graph_task_keep_graph
 from ..graph_utils import is_collective_op
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
+from ..passes.hoist_tangent_reductions import REDUCTION, TangentReduction, hoist_tangent_reductions
 from .conversions import Conversion, plan_conversion
 from .conversions import new_dtensor as _new_dtensor
 
@@ -623,7 +647,10 @@ def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
                                                    f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
         else:
             plan = _plan_tangents(default, guess, chained, runs)
-    return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide), plan
+    # a stack's last block sends what the default assumes: its reduction is
+    # the border's to skip (Note: [The tangent's all_reduce belongs to the border])
+    return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide,
+                            hoist=plan.first != default), plan
 
 
 _SEEN = 16  # identities of arrived placements remembered per border
@@ -648,16 +675,26 @@ class _Backward:
     # the placements the arriving tangents give it in eager (Note: [The
     # gradient a stack sends back])
     regrad: dict[int, Conversion] = dataclasses.field(default_factory=dict)
+    # per reduction hoisted out of the backward (Note: [The tangent's all_reduce
+    # belongs to the border]): (tangent position, output index, the reduction,
+    # whether the gradient that arrived is its result already)
+    reductions: tuple[tuple[int, int, TangentReduction, bool], ...] = ()
 
     @staticmethod
-    def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool) -> _Backward:
+    def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool,
+           to_first: Sequence[tuple[int, Conversion]] = (), regrad: dict[int, Conversion] | None = None) -> _Backward:
         layer = variant.layer
         tangents = tuple((i, torch.Size(size), stride, dtype, device) for i, (size, stride), (dtype, device)
                          in zip(layer.differentiable, layer.tangent_layouts, layer.tangent_types))
         slot = {i: len(inputs) + k for k, i in enumerate(wide)}
         wraps = tuple((i, slot[i] if is_wide else i, spec) for i, (spec, is_wide, s)
                       in enumerate(zip(variant.in_grad_specs, variant.in_grad_wide, inputs)) if s.spec is not None)
-        return _Backward(variant, tangents, wraps, redistribute)
+        converts = dict(to_first)
+        reductions = tuple(
+            (r.tangent, layer.differentiable[r.tangent], r,
+             (c := converts.get(layer.differentiable[r.tangent])) is not None and c.undone_by(r.reduce_op, r.group_name))
+            for r in layer.reductions)
+        return _Backward(variant, tangents, wraps, redistribute, tuple(to_first), dict(regrad or {}), reductions)
 
 
 class DTensorBorder:
@@ -744,9 +781,7 @@ class DTensorBorder:
                 self.variants.setdefault(tangents, None)
             variant = self.variant_for(tangents)
             bw = _Backward.of(variant if variant is not None else self.first, self.inputs, self.wide,
-                              redistribute=variant is None)
-            if variant is None:
-                bw = dataclasses.replace(bw, **self._conversions(tangents))
+                              redistribute=variant is None, **(self._conversions(tangents) if variant is None else {}))
             self._backwards[tangents] = bw
         if len(self._seen) >= _SEEN:
             # fresh placements every step (a gradient built anew each time): start over
@@ -835,11 +870,13 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
 
 def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-                     wide: Sequence[int] = ()) -> _Variant | Refusal:
-    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs."""
+                     wide: Sequence[int] = (), hoist: bool = False) -> _Variant | Refusal:
+    """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs; ``hoist``: its
+    backward's all_reduce of a tangent left to the border (Note: [The tangent's all_reduce belongs to the border])."""
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
-    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode)
+    compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode,
+                                                  (hoist_tangent_reductions,) if hoist else ())
     layer = compiled_layer(compiled.aot_graphs, fw_metadata)
     if isinstance(layer, Refusal):
         return layer
@@ -890,7 +927,7 @@ def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
     bw_gm = next(a.graph for a in aot_graphs if a.kind == "backward")
     sig = []
     for n in bw_gm.graph.find_nodes(op="placeholder"):
-        if n.name.startswith("tangents"):
+        if n.name.startswith("tangents") or REDUCTION in n.meta:
             continue
         v = n.meta.get("val")
         layout = (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -1016,6 +1053,7 @@ class _BorderFunction(torch.autograd.Function):
 
         border: DTensorBorder = ctx.border
         bw = border.backward_for(grads)
+        arrived = grads
         if bw.redistribute:
             # Note: [A backward per tangent placement]: AOTAutograd's way
             converted = list(grads)
@@ -1034,18 +1072,23 @@ class _BorderFunction(torch.autograd.Function):
             args = [next(tensors) if v is _TENSOR else v for v in ctx.others]
             del tensors
         ctx.maybe_clear_saved_tensors()
+        first_tangent = len(args)
         for i, size, stride, dtype, device in bw.tangents:
             g = grads[i]
             if g is None:
                 args.append(torch.empty_strided(size, stride, dtype=dtype, device=device).zero_())
                 continue
-            if isinstance(g, DTensor):
-                g = g._local_tensor
-            if g.shape != size:
-                raise RuntimeError(
-                    f"localmap_fx: the gradient of output {i} of a compiled graph has local shape "
-                    f"{tuple(g.shape)}, its backward was compiled for {tuple(size)}")
-            args.append(g if g.stride() == stride or g.numel() <= 1 else _as_traced(g, (size, stride)))
+            args.append(_local_tangent(i, g, size, stride))
+        for k, i, r, arrived_reduced in bw.reductions:
+            # Note: [The tangent's all_reduce belongs to the border]
+            g = arrived[i]
+            if arrived_reduced and g is not None:
+                _, size, stride, _, _ = bw.tangents[k]
+                args.append(_viewed(_local_tangent(i, g, size, stride), r.shape))
+            else:
+                ops = torch.ops._c10d_functional
+                args.append(ops.wait_tensor(ops.all_reduce(_viewed(args[first_tangent + k], r.shape),
+                                                           r.reduce_op, r.group_name)))
         out = list(layer.backward(args))
         n = len(border.inputs)
         for i, at, spec in bw.wraps:
@@ -1056,6 +1099,21 @@ class _BorderFunction(torch.autograd.Function):
                 regrad = bw.regrad.get(i) if bw.regrad else None
                 out[i] = _new_dtensor(g, spec) if regrad is None else regrad(g)
         return (None, *out[:n])
+
+
+def _local_tangent(i: int, g: Any, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """The local tensor of output ``i``'s gradient ``g``, in the layout its backward was traced with."""
+    if isinstance(g, DTensor):
+        g = g._local_tensor
+    if g.shape != size:
+        raise RuntimeError(
+            f"localmap_fx: the gradient of output {i} of a compiled graph has local shape "
+            f"{tuple(g.shape)}, its backward was compiled for {tuple(size)}")
+    return g if g.stride() == stride or g.numel() <= 1 else _as_traced(g, (size, stride))
+
+
+def _viewed(t: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
+    return t if shape is None else t.view(shape)
 
 
 def _respec(spec: Any, placements: Placements) -> Any:

@@ -47,21 +47,24 @@ class Compiled:
 # AOTAutograd hands its graphs to callbacks; the compile function appends
 # them here (None: not asked for)
 Kept = list[AotGraph] | None
-# compile_one(gm, example_inputs, aot_graphs=False, as_is=False) -> Compiled
+# compile_one(gm, example_inputs, aot_graphs=False, as_is=False, backward_passes=()) -> Compiled
 CompileOne = Callable[..., Compiled]
+# passes run on the AOT backward graph before it is compiled (kept graphs only)
+Passes = Sequence[Callable[[fx.GraphModule], Any]]
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-           keep: Kept = None):
+           keep: Kept = None, backward_passes: Passes = ()):
     return gm.forward
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-               keep: Kept = None):
+               keep: Kept = None, backward_passes: Passes = ()):
     import torch
     from functorch.compile import make_boxed_func
 
     from .._torch_compat import aot_module_simplified
+    from ..passes import run_passes
 
     def recorder(kind: str):
         # Note: [A lazy backward compile is no frame for Dynamo]
@@ -70,6 +73,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
         #     hook is still set and traced this callback (a graph break in it).
         @torch.compiler.disable(reason="compiling a graph is no user code")
         def compile_graph(g: fx.GraphModule, _inputs):
+            if kind == "backward":
+                g = run_passes(g, backward_passes)
             observer.aot_graph(kind, g)
             compiled = make_boxed_func(g.forward)
             if keep is not None:
@@ -85,12 +90,12 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
-              keep: Kept = None):
+              keep: Kept = None, backward_passes: Passes = ()):
     import torch
 
     from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
     from ..graph_utils import calls_invoke_subgraph
-    from ..passes import apply
+    from ..passes import run_passes
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
     from . import cache_keys
 
@@ -98,8 +103,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     def inner_compile(g: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         # The AOT-graph stage of the pipeline (see compiler.pipeline.STAGES):
-        # Inductor plans buffers as if subgraph outputs never alias inputs.
-        g = apply(hoist_subgraph_views, g)
+        # Inductor plans buffers as if subgraph outputs never alias inputs;
+        # a caller's backward passes (a DTensor border's) come after.
+        g = run_passes(g, [hoist_subgraph_views, *(backward_passes if kind == "backward" else ())])
+        # a backward pass may add placeholders after the others (hoist_tangent_reductions): their examples
+        inputs = [*inputs, *(n.meta["val"] for n in list(g.graph.find_nodes(op="placeholder"))[len(inputs):])]
         observer.aot_graph(kind, g)
         compiled = compile_fx_inner(g, inputs, **kwargs)
         observer.inner_output(kind, compiled)
@@ -160,7 +168,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
     watch = observer if observer is not None else Observer()
 
     def compile_one(gm: fx.GraphModule, example_inputs: list[Any], aot_graphs: bool = False,
-                    as_is: bool = False) -> Compiled:
+                    as_is: bool = False, backward_passes: Passes = ()) -> Compiled:
         if not aot_graphs and not as_is and opts.uses_lean_border:
             # a DTensor graph compiled whole: see compiler/dtensor_border.py.  The
             # border keeps its AOT graphs, which an AOTAutogradCache hit cannot
@@ -180,7 +188,9 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
                 cache_keys.log_lifted("DTensor border", lifted)
                 return Compiled(cache_keys.without_meshes(border, lifted, len(example_inputs)) if lifted else border)
         keep: Kept = [] if aot_graphs else None
-        fn = compile_fn(gm, example_inputs, opts, watch, keep)
+        if backward_passes and keep is None:
+            raise ValueError("backward_passes need aot_graphs=True: the caller runs the backward it rewrote")
+        fn = compile_fn(gm, example_inputs, opts, watch, keep, backward_passes)
         return Compiled(fn, tuple(keep) if keep is not None else ())
 
     return compile_one

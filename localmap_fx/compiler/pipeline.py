@@ -26,7 +26,8 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
                          (layer_sharing/piece_meshes.py)
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
-                         hoist_subgraph_views; a graph with DTensor inputs or
+                         hoist_subgraph_views (and a lean border's guessed variant's
+                         backward through hoist_tangent_reductions); a graph with DTensor inputs or
                          outputs compiled whole runs behind a DTensor border
                          unless it refuses: a frame with no output chained to
                          an input, under Inductor with torch's caches on, the

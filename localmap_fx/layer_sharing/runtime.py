@@ -104,6 +104,9 @@ class CompiledLayer:
     # the backward may reuse saved buffers (AOTAutograd's bw_donated_idxs):
     # it must not run twice on one forward (retain_graph=True)
     donates_buffers: bool = False
+    # tangent reductions taken out of the backward (passes/hoist_tangent_reductions):
+    # it reads their values after the tangents, and its caller computes them
+    reductions: tuple[Any, ...] = ()
 
     @functools.cached_property
     def differentiable(self) -> tuple[int, ...]:
@@ -146,23 +149,25 @@ def _static(values: Sequence[Any]) -> bool:
 
 
 def compile_with_metadata(compile_one: CompileOne, gm: fx.GraphModule, example: list[Any], aot_graphs: bool,
-                          fake_mode: Any = None) -> tuple[Compiled, Any]:
+                          fake_mode: Any = None, backward_passes: Sequence[Callable] = ()) -> tuple[Compiled, Any]:
     """``compile_one`` under a TracingContext of its own; also returns the
     forward metadata AOTAutograd left there, which :func:`compiled_layer`
     reads (Note: [One TracingContext per piece] in :mod:`.compile`).
 
     ``fake_mode``: the examples' fake mode when the caller knows it (it is
-    detected from ``example`` otherwise).  The one place that reads
-    AOTAutograd's metadata back from a TracingContext."""
+    detected from ``example`` otherwise); ``backward_passes``: rewrites of
+    the AOT backward graph before it is compiled (``compile_one``'s).  The
+    one place that reads AOTAutograd's metadata back from a TracingContext."""
     from .._torch_compat import TracingContext, detect_fake_mode, tracing
 
+    extra = {"backward_passes": tuple(backward_passes)} if backward_passes else {}
     fake_mode = fake_mode if fake_mode is not None else detect_fake_mode(example)
     if fake_mode is None:
-        return compile_one(gm, example, aot_graphs), None
+        return compile_one(gm, example, aot_graphs, **extra), None
     context = TracingContext(fake_mode)
     # a graph may be compiled inside a backward (the lean border's variants), where grad mode is off
     with tracing(context), torch.enable_grad():
-        compiled = compile_one(gm, example, aot_graphs)
+        compiled = compile_one(gm, example, aot_graphs, **extra)
     return compiled, context.fw_metadata
 
 
@@ -185,6 +190,7 @@ def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
     AOTAutograd's runtime, so such a piece keeps it.
     """
     from .._torch_compat import OutputType, PlainTensorMeta, functorch_config
+    from ..passes.hoist_tangent_reductions import reductions_of
 
     crossing = subclasses_crossing(border)
     if crossing:
@@ -212,7 +218,8 @@ def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
     bw_gm, bw = graphs["backward"]
     bw_inputs = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
     tangents = [n for n in bw_inputs if n.name.startswith("tangents")]
-    n_saved = len(bw_inputs) - len(tangents)
+    reductions = reductions_of(bw_gm)
+    n_saved = len(bw_inputs) - len(tangents) - len(reductions)
     fw_out = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output").args[0]
     n_outputs = len(fw_out) - n_saved
     if n_outputs != len(md.output_info):
@@ -230,7 +237,7 @@ def compiled_layer(aot_graphs: Sequence[AotGraph], fw_metadata: Any,
     return CompiledLayer(fw, bw, n_outputs, tuple(layouts), tuple(types),
                          md.num_opaque_objects_saved_for_bw or 0, md.num_symints_saved_for_bw or 0,
                          None if owners == tuple(range(n_outputs)) else owners,
-                         bool(md.bw_donated_idxs) and functorch_config.donated_buffer)
+                         bool(md.bw_donated_idxs) and functorch_config.donated_buffer, reductions)
 
 
 def _tangent_owners(md: Any, n_tangents: int) -> tuple[int, ...] | Refusal:
@@ -262,6 +269,11 @@ class RunStep:
     piece: str
     layer: CompiledLayer = dataclasses.field(compare=False, repr=False)
     args: tuple[Source, ...]
+
+    def __post_init__(self) -> None:
+        if self.layer.reductions:
+            # a run hands a layer its tangents only; the DTensor border computes reductions
+            raise ValueError(f"layer {self.piece}: its backward reads reduced tangents, which a run does not give")
 
     def text(self) -> str:
         def src(s: Source) -> str:

@@ -156,6 +156,42 @@ def test_block_is_compiled_for_the_gradient_the_next_block_sends():
     assert [g[0] for g in _grads(*leaves)] == [g[0] for g in eager[replicate]]
 
 
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_last_block_gradient_is_not_summed_again(inner):
+    """The TP block is compiled for the Partial gradient the next block sends,
+    and its backward starts by summing it (``Partial -> Replicate``).  The last
+    block's gradient comes from the loss, Replicate: converted to Partial
+    (``g / 2``) and summed back, it cost one all_reduce per step that eager
+    and upstream do not issue.  The border runs that sum itself (Note: [The
+    tangent's all_reduce belongs to the border]): a Partial gradient gets the
+    same all_reduce, a Replicate one none.  Reductions per backward equal
+    eager's for both, and so do the placements; values are compared on gloo
+    (``test_deep_stack_on_gloo_equals_eager``): the fake group sums nothing."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+    leaves = [x, *block.parameters()]
+    partial, replicate = _downstream([Partial()]), _downstream([Replicate()])
+    eager = {}
+    for down in (partial, replicate):
+        eager[down] = _reductions_in_backward(down(block(x)))
+        _clear(*leaves)
+    assert eager == {partial: 1, replicate: 0}
+
+    backend, seen = _recording(inner)
+    f = torch.compile(block, backend=backend)
+    for down in (partial, replicate, partial, replicate):
+        assert _reductions_in_backward(down(f(x))) == eager[down]
+        _clear(*leaves)
+    (border,) = seen
+    assert border.plan.text() == "compile (P(sum))"
+    (reduction,) = border.first.layer.reductions
+    # (Inductor's joint passes drop the tangent's no-op view first)
+    assert (reduction.tangent, reduction.reduce_op, reduction.group_name, reduction.shape in (None, (8, 16))) \
+        == (0, "sum", mesh.get_group().group_name, True)
+
+
 def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
     """A block of DTensor ops (``_col_row``: its weights outside any region):
     for Partial its backward gathers both weights and reduce-scatters, more

@@ -448,3 +448,16 @@ def test_auto_shares_layers_that_dtensors_cross_behind_the_lean_border(tmp_path)
     pieces = _pieces_summary(tmp_path / "shared", model, x, inner="aot_eager", share_layers=True, lean_border=False)
     assert pieces["shared"] is True
     assert {r["runtime"] for r in pieces["rows"] if r["calls"] > 1} == {"aot: a DTensor crosses its border"}
+
+def test_a_layer_whose_backward_reads_reduced_tangents_is_no_step_of_a_run():
+    """A run hands each layer its tangents only; a layer compiled with its
+    tangent's all_reduce taken out (a lean border's variant) would be called
+    one value short, so a run refuses it when it is built."""
+    import dataclasses
+
+    from localmap_fx.layer_sharing.runtime import RunStep
+    from localmap_fx.passes.hoist_tangent_reductions import TangentReduction
+
+    layer = dataclasses.replace(_scale_layer(4), reductions=(TangentReduction(0, "sum", "0", None),))
+    with pytest.raises(ValueError, match="reduced tangents"):
+        RunStep("layer", layer, (("in", 0),))

@@ -102,3 +102,24 @@ def test_a_shard_of_another_size_is_refused():
     conversion = plan_conversion(_spec(mesh, [Shard(0)], (8, 6)), _spec(mesh, [Partial()], (8, 6)))
     with pytest.raises(RuntimeError, match=r"has 3 rows on dimension 0, its placement says 2"):
         conversion(torch.zeros(3, 6))
+
+
+def test_only_a_lone_partition_is_undone_by_its_groups_reduction():
+    """What lets a border hand a Replicate gradient to a backward that sums its
+    Partial share (Note: [The tangent's all_reduce belongs to the border])."""
+    mesh, mesh2 = mesh_1d(), mesh_2d()
+    group = mesh.get_group().group_name
+    shape = (8, 6)
+    partition = plan_conversion(_spec(mesh, [Replicate()], shape), _spec(mesh, [Partial()], shape))
+    assert partition.undone_by("sum", group)
+    assert not partition.undone_by("avg", group)
+    assert not partition.undone_by("sum", "another group")
+    avg = plan_conversion(_spec(mesh, [Replicate()], shape), _spec(mesh, [Partial("avg")], shape))
+    assert avg.undone_by("avg", group) and not avg.undone_by("sum", group)
+    assert not plan_conversion(_spec(mesh, [Partial()], shape), _spec(mesh, [Replicate()], shape)).undone_by(
+        "sum", group)
+    assert not plan_conversion(_spec(mesh, [Replicate()], shape), _spec(mesh, [Replicate()], shape)).undone_by(
+        "sum", group)
+    # two mesh dimensions at once: DTensor's way, never taken for a lone partition
+    both = plan_conversion(_spec(mesh2, [Replicate(), Replicate()], shape), _spec(mesh2, [Partial(), Partial()], shape))
+    assert not any(both.undone_by("sum", mesh2.get_group(k).group_name) for k in range(2))

@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.lowering",
         "localmap_fx.debug.layout",
     ),
-    ("localmap_fx.passes.inline_marked_blocks",),
+    ("localmap_fx.passes.inline_marked_blocks", "localmap_fx.passes.hoist_tangent_reductions"),
     (
         "localmap_fx.debug.collectives",
         "localmap_fx.debug.region_graph",
