@@ -45,6 +45,9 @@ import zlib
 import pytest
 import torch
 
+# --shard K/N and module times: tests/shards.py (scripts/test.sh runs shards at once)
+pytest_plugins = ("shards",)
+
 # Under --quick, a parametrized test function keeps QUICK_CASES of its
 # cases or one in QUICK_SHARE, whichever is more.
 QUICK_CASES = 6
@@ -157,6 +160,16 @@ def _sample(items: list) -> tuple[list, list]:
         n = max(QUICK_CASES, math.ceil(len(cases) / QUICK_SHARE))
         keep.update(id(c) for c in sorted(cases, key=lambda c: zlib.crc32(c.nodeid.encode()))[:n])
     return [it for it in items if id(it) in keep], [it for it in items if id(it) not in keep]
+
+
+def pytest_collection_finish(session):
+    # gloo tests fork their ranks from one server that imported torch; start it
+    # now, in the session's environment (Note: [Ranks forked from a server
+    # that imported torch] in localmap_fx/testing/dist.py)
+    if any(it.get_closest_marker("gloo") for it in session.items):
+        from localmap_fx.testing.dist import start_rank_server
+
+        start_rank_server()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,8 +17,10 @@ How it works:
   free port and the parent keeps it open, so there is no race between picking
   a port and using it.  Children connect to it and call
   ``init_process_group(backend, store=..., rank, world_size, timeout)``.
-* Children are started with the ``spawn`` context (no inherited CUDA or
-  process-group state), run ``fn(rank, world_size, device)``, always destroy
+* Children are forked from a ``forkserver`` that imported torch once (Note:
+  [Ranks forked from a server that imported torch]), else started with the
+  ``spawn`` context; either way no inherited CUDA or process-group state.
+  They run ``fn(rank, world_size, device)``, always destroy
   the process group, and write ``{"ok": result}`` or ``{"error": ...}`` to a
   result file in a temporary directory.  Their stdout/stderr go to a log file
   per rank, whose tail is quoted when something goes wrong.
@@ -28,8 +30,26 @@ How it works:
   pickles) chained to a ``RankTraceback`` carrying the child's traceback text;
   a timeout or a crash raises ``RankFailure`` with every rank's log tail.
 
-Each spawned child imports torch and the module defining ``fn`` (~2-3 s), so
-batch many checks into one ``fn`` rather than spawning per check.
+Each child imports the module defining ``fn``, and a spawned one torch too
+(4 s of wall time and 7-8 s of CPU for two ranks on a slow 2-CPU machine), so
+batch many checks into one ``fn`` rather than starting ranks per check.
+
+Note: [Ranks forked from a server that imported torch]
+    Importing torch costs a spawned rank about 3.5 s of CPU on a slow
+    machine, and the suite starts ranks a few hundred times.  A
+    ``forkserver`` (multiprocessing's: a fresh, single-threaded process
+    started once per parent) imports torch, ``torch.distributed`` and
+    ``torch.distributed.tensor`` once, and forks each rank from there: a
+    no-op pair of ranks takes 0.1 s instead of 4 s.  What a fork would
+    otherwise not see is handed over or avoided: the server keeps the
+    environment, working directory and ``sys.path`` it started with, so
+    each rank gets the parent's environment at ``run_ranks`` time (set
+    first thing in the child), and when what torch reads at import (the
+    ``TORCH*``/``PYTORCH*``/thread-count variables), the working directory or
+    ``sys.path`` changed since the server started, the ranks are spawned
+    as before.  The suite starts the server before its first test
+    (:func:`start_rank_server`), so a test's own environment never becomes
+    the server's.  ``LOCALMAP_FX_RANKS_START=spawn`` always spawns.
 """
 
 from __future__ import annotations
@@ -49,11 +69,49 @@ import torch.multiprocessing as mp
 
 from .teardown import shutdown
 
-__all__ = ["run_ranks", "free_port", "RankFailure", "RankTraceback"]
+__all__ = ["run_ranks", "free_port", "start_rank_server", "RankFailure", "RankTraceback"]
 
 _LOG_TAIL_CHARS = 6000
 _GRACE_S = 10.0
 _POLL_S = 0.05
+
+
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor")
+# environment variables torch (or a library under it) may read at import
+_IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON")
+# what the forkserver started with, once started by run_ranks
+_server_state: tuple | None = None
+
+
+def _import_time_state() -> tuple:
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)))
+    return env, os.getcwd(), tuple(sys.path)
+
+
+def _start_context() -> Any:
+    """The multiprocessing context for the ranks (Note: [Ranks forked from a server that imported torch])."""
+    global _server_state
+    method = os.environ.get("LOCALMAP_FX_RANKS_START", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"LOCALMAP_FX_RANKS_START must be 'forkserver' or 'spawn', got {method!r}")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    state = _import_time_state()
+    if _server_state is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(_PRELOAD))
+        _server_state = state
+        return ctx
+    return mp.get_context("forkserver") if state == _server_state else mp.get_context("spawn")
+
+
+def start_rank_server() -> None:
+    """Start the server ranks are forked from now, if they will be (so its
+    environment is this moment's: a test suite calls it before its first test)."""
+    if _start_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 class RankTraceback(Exception):
@@ -130,7 +188,12 @@ def _child_main(
     timeout_s: float,
     workdir: str,
     args: tuple,
+    env: dict[str, str] | None = None,
 ) -> None:
+    if env is not None:
+        # a forked rank: the parent's environment now, not the server's at its start
+        os.environ.clear()
+        os.environ.update(env)
     log_path = os.path.join(workdir, f"rank{rank}.log")
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
     # Send this process's stdout/stderr (Python and C++ alike) to a log file.
@@ -271,7 +334,8 @@ def run_ranks(
             f"it by name), got {fn.__module__}.{qualname}: move it to module scope."
         )
 
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
+    env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
     workdir = tempfile.mkdtemp(prefix="localmap_fx_ranks_")
     # The parent hosts the rendezvous store: port 0 lets the OS pick a free
     # port, and keeping the server open means nobody else can take it.
@@ -289,7 +353,7 @@ def run_ranks(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child_main,
-                args=(fn, rank, world_size, backend, device, port, timeout, workdir, args),
+                args=(fn, rank, world_size, backend, device, port, timeout, workdir, args, env),
                 name=f"rank{rank}",
                 daemon=True,
             )
