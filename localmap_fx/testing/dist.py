@@ -41,13 +41,16 @@ Note: [Ranks forked from a server that imported torch]
     started once per parent) imports torch, ``torch.distributed`` and
     ``torch.distributed.tensor`` once, and forks each rank from there: a
     no-op pair of ranks takes 0.1 s instead of 4 s.  What a fork would
-    otherwise not see is handed over or avoided: the server keeps the
-    environment, working directory and ``sys.path`` it started with, so
-    each rank gets the parent's environment at ``run_ranks`` time (set
-    first thing in the child), and when what torch reads at import (the
-    ``TORCH*``/``PYTORCH*``/thread-count variables), the working directory or
-    ``sys.path`` changed since the server started, the ranks are spawned
-    as before.  The suite starts the server before its first test
+    otherwise not see is handed over or avoided: multiprocessing gives each
+    forked rank the parent's working directory, ``sys.path`` and main
+    module of the moment, as it does a spawned one; the server keeps the
+    environment it started with, so each rank gets the parent's
+    environment at ``run_ranks`` time (set first thing in the child), and
+    when what the server's torch read at import (the ``TORCH*``,
+    ``PYTORCH*`` and thread-count variables, not the compiler's
+    ``TORCHINDUCTOR_*``/``TORCHDYNAMO_*``, whose modules a rank imports
+    itself) changed since the server started, the ranks are spawned as
+    before.  The suite starts the server before its first test
     (:func:`start_rank_server`), so a test's own environment never becomes
     the server's.  ``LOCALMAP_FX_RANKS_START=spawn`` always spawns.
 """
@@ -77,15 +80,18 @@ _POLL_S = 0.05
 
 
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor")
-# environment variables torch (or a library under it) may read at import
+# environment variables torch (or a library under it) may read at import ...
 _IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "MKL_", "KMP_", "PYTHON")
+# ... except those of the compiler, which the server does not import (a rank
+# imports it itself); Inductor sets TORCHINDUCTOR_CACHE_DIR at its first compile
+_RANK_IMPORTS_ENV = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE")
 # what the forkserver started with, once started by run_ranks
 _server_state: tuple | None = None
 
 
 def _import_time_state() -> tuple:
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)))
-    return env, os.getcwd(), tuple(sys.path)
+    return tuple(sorted((k, v) for k, v in os.environ.items()
+                        if k.startswith(_IMPORT_TIME_ENV) and not k.startswith(_RANK_IMPORTS_ENV)))
 
 
 def _start_context() -> Any:

@@ -6,7 +6,6 @@ where a fork would see a stale one."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -14,17 +13,18 @@ from localmap_fx.testing import dist
 from localmap_fx.testing.dist import run_ranks
 
 
-def _what_a_rank_sees(rank, world_size, device):
+def _what_a_rank_sees(rank, world_size, device, parent=None):
+    # forked from the server: its parent is the server, not the test's process
     return {"env": os.environ.get("LOCALMAP_FX_TEST_MARK"), "cwd": os.getcwd(),
-            "torch_preloaded": "torch.distributed.tensor" in sys.modules, "pid": os.getpid()}
+            "forked": parent is not None and os.getppid() != parent, "pid": os.getpid()}
 
 
 def test_a_forked_rank_sees_the_environment_set_after_the_server_started(monkeypatch):
     run_ranks(_what_a_rank_sees, world_size=2)  # the server is up after this
     monkeypatch.setenv("LOCALMAP_FX_TEST_MARK", "set later")
     assert dist._start_context().get_start_method() == "forkserver"
-    seen = run_ranks(_what_a_rank_sees, world_size=2)
-    assert [s["env"] for s in seen] == ["set later", "set later"]
+    seen = run_ranks(_what_a_rank_sees, world_size=2, args=(os.getpid(),))
+    assert [(s["env"], s["forked"]) for s in seen] == [("set later", True)] * 2
     assert [s["cwd"] for s in seen] == [os.getcwd()] * 2
     assert len({s["pid"] for s in seen}) == 2
 
@@ -33,15 +33,28 @@ def test_what_torch_reads_at_import_changed_means_spawn(monkeypatch):
     run_ranks(_what_a_rank_sees, world_size=2)
     monkeypatch.setenv("TORCH_LOCALMAP_FX_TEST_FLAG", "1")
     assert dist._start_context().get_start_method() == "spawn"
-    monkeypatch.delenv("TORCH_LOCALMAP_FX_TEST_FLAG")
-    monkeypatch.syspath_prepend(os.path.dirname(__file__) + "/no_such_dir")
-    assert dist._start_context().get_start_method() == "spawn"
+
+
+def test_the_compilers_environment_keeps_the_fork(monkeypatch, tmp_path):
+    """Inductor sets TORCHINDUCTOR_CACHE_DIR at its first compile: every later
+    run_ranks of a test process spawned its ranks, until the compiler's
+    variables (read by modules the server does not import) were left out."""
+    run_ranks(_what_a_rank_sees, world_size=2)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHDYNAMO_VERBOSE", "0")
+    assert dist._start_context().get_start_method() == "forkserver"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = run_ranks(_what_a_rank_sees, world_size=2, args=(os.getpid(),))
+    # the cwd of the moment, as multiprocessing gives a forked rank
+    assert [(s["cwd"], s["forked"]) for s in seen] == [(str(tmp_path), True)] * 2
 
 
 def test_ranks_can_be_spawned_and_a_bad_start_method_is_named(monkeypatch):
     monkeypatch.setenv("LOCALMAP_FX_RANKS_START", "spawn")
     monkeypatch.setenv("LOCALMAP_FX_TEST_MARK", "spawned")
-    assert [s["env"] for s in run_ranks(_what_a_rank_sees, world_size=2)] == ["spawned", "spawned"]
+    seen = run_ranks(_what_a_rank_sees, world_size=2, args=(os.getpid(),))
+    assert [(s["env"], s["forked"]) for s in seen] == [("spawned", False)] * 2
     monkeypatch.setenv("LOCALMAP_FX_RANKS_START", "fork")
     with pytest.raises(ValueError, match="LOCALMAP_FX_RANKS_START"):
         run_ranks(_what_a_rank_sees, world_size=2)
