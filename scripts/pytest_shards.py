@@ -86,8 +86,11 @@ def run(jobs: int, update: bool, args: list[str]) -> int:
             extra = [f"--shard={k}/{jobs}"]
             if update:
                 extra.append(f"--module-seconds-out={tmp / f'{k}.json'}")
-            # a session of its own: a shard and the ranks it spawns stop together
-            proc = subprocess.Popen([*pytest, *extra, *args], cwd=ROOT, stdout=subprocess.PIPE,
+            # a session of its own: a shard and the ranks it spawns stop together.
+            # The shards share the CPUs: a deadline of run_ranks (a guard against
+            # a hang) stretches with their number
+            env = {**os.environ, "LOCALMAP_FX_RANKS_TIMEOUT_SCALE": str(jobs)}
+            proc = subprocess.Popen([*pytest, *extra, *args], cwd=ROOT, stdout=subprocess.PIPE, env=env,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
             last: list[str] = []
             t = threading.Thread(target=_pump, args=(proc, f"[{k}/{jobs}] ", last, lock), daemon=True)

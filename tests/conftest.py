@@ -18,7 +18,8 @@ Tiers: ``tests/unit`` (one process, no compiler or a hand-built graph),
   written on the others; a test that compiles with Inductor in this process
   without the marker fails (:func:`_inductor_marker_is_true`);
 * ``slow``: written on the suite's longest tests: those that took 10 s or
-  more in a measured run of the whole suite on a loaded 2-CPU machine, and
+  more in a measured run of the whole suite on a loaded 2-CPU machine (8 s
+  or more in a quick-tier run, on the slower machine of session 13), and
   every test sharing a module fixture with one of them (the fixture's cost
   goes to whichever test sets it up).  A long case of a parametrized test
   is left to the sampling; ``test_teardown.py::test_harness_ranks_end_clean``
@@ -50,7 +51,7 @@ pytest_plugins = ("shards",)
 
 # Under --quick, a parametrized test function keeps QUICK_CASES of its
 # cases or one in QUICK_SHARE, whichever is more.
-QUICK_CASES = 6
+QUICK_CASES = 3
 QUICK_SHARE = 20
 
 

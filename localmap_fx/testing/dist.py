@@ -111,6 +111,17 @@ def _start_context() -> Any:
     return mp.get_context("forkserver") if state == _server_state else mp.get_context("spawn")
 
 
+def _timeout_scale() -> float:
+    text = os.environ.get("LOCALMAP_FX_RANKS_TIMEOUT_SCALE", "1")
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = 0.0
+    if scale <= 0:
+        raise ValueError(f"LOCALMAP_FX_RANKS_TIMEOUT_SCALE must be a positive number, got {text!r}")
+    return scale
+
+
 def start_rank_server() -> None:
     """Start the server ranks are forked from now, if they will be (so its
     environment is this moment's: a test suite calls it before its first test)."""
@@ -321,7 +332,8 @@ def run_ranks(
     ``full_tensor()``).  ``device`` is the device type string ("cpu" or
     "cuda"); with "cuda" each rank first calls ``torch.cuda.set_device(rank)``.
     ``timeout`` (seconds) bounds the whole run and is also the process
-    group's collective timeout.
+    group's collective timeout; ``LOCALMAP_FX_RANKS_TIMEOUT_SCALE`` multiplies
+    it (the test runner sets it to its number of shards, which share the CPUs).
 
     Returns the per-rank results, indexed by rank.  Raises the first failing
     rank's exception (chained to a :class:`RankTraceback` with the child's
@@ -340,6 +352,7 @@ def run_ranks(
             f"it by name), got {fn.__module__}.{qualname}: move it to module scope."
         )
 
+    timeout *= _timeout_scale()
     ctx = _start_context()
     env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
     workdir = tempfile.mkdtemp(prefix="localmap_fx_ranks_")

@@ -17,6 +17,7 @@ from localmap_fx.testing.models import MODELS
 from helpers import full_text, mesh_1d, mesh_for
 
 
+@pytest.mark.slow
 def test_entry_point_registers_backend_without_import():
     code = (
         "import sys, torch\n"
@@ -30,6 +31,7 @@ def test_entry_point_registers_backend_without_import():
     assert out.stdout.split() == ["localmap_fx.compiler", "localmap_fx_backend"]
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_backend_by_name_compiles_with_inductor():
     m = MODELS["tp_mlp"]

@@ -94,6 +94,7 @@ def test_a_placement_of_another_kind_is_not_written():
 
 # --- which graphs it runs ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_whole_graph_runs_on_aotautograds_runtime_and_equals_eager():
     from torch._inductor.utils import fresh_cache
 
@@ -111,6 +112,7 @@ def test_a_whole_graph_runs_on_aotautograds_runtime_and_equals_eager():
     _same(eager, got, exact=False)
 
 
+@pytest.mark.slow
 def test_a_cache_hit_reads_the_gradient_placements_from_the_file():
     """In one process, after ``torch._dynamo.reset()``: AOTAutogradCache hits
     (nothing traced), so the input gradients' placements come from the file
@@ -159,6 +161,7 @@ def _body_gathered(x, w1, w2):
     return torch.relu(x @ w1).redistribute(placements=[Replicate()]) @ w2
 
 
+@pytest.mark.slow
 def test_the_gradient_file_is_keyed_on_subgraph_bodies_too():
     """Found by a review: two frames whose top-level code is the same (a
     checkpointed body, in a submodule of the graph) got one gradient file, so
@@ -209,6 +212,7 @@ def test_a_retained_graph_reads_each_backwards_placements():
     assert got == eager
 
 
+@pytest.mark.slow
 def test_a_frame_with_no_dtensor_input_compiles_once_and_hits():
     """Found by a review: DTensors made inside the frame (``from_local`` of
     plain inputs) never called the wrapper's enter, which was how the border

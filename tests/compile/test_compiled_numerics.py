@@ -150,6 +150,7 @@ def test_non_tensor_arguments_and_outputs():
     _compare(fn, make)
 
 
+@pytest.mark.slow
 def test_region_in_module_and_graph_break_outside():
     class Block(nn.Module):
         def __init__(self, mesh):

@@ -505,6 +505,7 @@ def test_trace_structured_artifacts(monkeypatch):
     assert json.loads(summaries[-1])["collectives"]["forward"][0]["op"] == "all_reduce"
 
 
+@pytest.mark.slow
 def test_torch_logs_regions_artifact():
     if not any(ep.name == "localmap_fx_logs" for ep in entry_points(group="torch.backends")):
         pytest.skip("localmap_fx is not pip-installed (`pip install -e .` registers TORCH_LOGS names)")

@@ -55,6 +55,7 @@ def test_auto_weighs_the_piece_price_against_the_layer_compute():
     assert fewer.reason is Reason.FEW_LAYERS and "repeats of a layer" in fewer.text
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_default_inductor_keeps_a_cheap_deep_stack_whole_and_says_why(tmp_path):
     import json

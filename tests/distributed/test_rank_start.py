@@ -58,3 +58,11 @@ def test_ranks_can_be_spawned_and_a_bad_start_method_is_named(monkeypatch):
     monkeypatch.setenv("LOCALMAP_FX_RANKS_START", "fork")
     with pytest.raises(ValueError, match="LOCALMAP_FX_RANKS_START"):
         run_ranks(_what_a_rank_sees, world_size=2)
+
+
+def test_deadlines_stretch_with_the_shards_sharing_the_cpus(monkeypatch):
+    monkeypatch.setenv("LOCALMAP_FX_RANKS_TIMEOUT_SCALE", "2")
+    assert dist._timeout_scale() == 2.0
+    monkeypatch.setenv("LOCALMAP_FX_RANKS_TIMEOUT_SCALE", "0")
+    with pytest.raises(ValueError, match="LOCALMAP_FX_RANKS_TIMEOUT_SCALE"):
+        run_ranks(_what_a_rank_sees, world_size=2)

@@ -177,6 +177,7 @@ def test_torch_parallelized_model_compiled_whole_equals_eager():
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * (1 + a.abs().max().item()))
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_torch_parallelized_model_compiled_whole_is_served_by_torchs_caches():
     """Compiled twice in one process (``torch._dynamo.reset()`` between, as a
