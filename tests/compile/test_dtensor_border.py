@@ -116,6 +116,16 @@ def _downstream(placements):
     return loss
 
 
+def _tp_block():
+    """One block of the TP stack, its input, the leaves, and the losses that send
+    its output a Partial (next block) or a Replicate (loss) gradient."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    mesh = mesh_1d()
+    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
+    return block, x, [x, *block.parameters()], _downstream([Partial()]), _downstream([Replicate()])
+
+
 def test_block_is_compiled_for_the_gradient_the_next_block_sends():
     """A TP block (Replicate in, Replicate out, its weights inside local_map
     regions): the border compiles the Partial gradient the next block sends;
@@ -126,12 +136,7 @@ def test_block_is_compiled_for_the_gradient_the_next_block_sends():
     it, and the gradients keep eager's placements.  Under the fake process
     group the collectives do nothing, so values are compared for the Partial
     gradient only (same collectives as eager); the gloo test compares both."""
-    from localmap_fx.testing.models import TPStack, tp_stack_input
-
-    mesh = mesh_1d()
-    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
-    leaves = [x, *block.parameters()]
-    partial, replicate = _downstream([Partial()]), _downstream([Replicate()])
+    block, x, leaves, partial, replicate = _tp_block()
     eager = {}
     for down in (partial, replicate):
         down(block(x)).backward()
@@ -165,14 +170,9 @@ def test_last_block_gradient_is_not_summed_again(inner):
     and upstream do not issue.  The border runs that sum itself (Note: [The
     tangent's all_reduce belongs to the border]): a Partial gradient gets the
     same all_reduce, a Replicate one none.  Reductions per backward equal
-    eager's for both, and so do the placements; values are compared on gloo
+    eager's for both; values are compared on gloo
     (``test_deep_stack_on_gloo_equals_eager``): the fake group sums nothing."""
-    from localmap_fx.testing.models import TPStack, tp_stack_input
-
-    mesh = mesh_1d()
-    block, x = TPStack(mesh, 1, d=16, hidden=32).blocks[0], tp_stack_input(mesh, 8, 16)
-    leaves = [x, *block.parameters()]
-    partial, replicate = _downstream([Partial()]), _downstream([Replicate()])
+    block, x, leaves, partial, replicate = _tp_block()
     eager = {}
     for down in (partial, replicate):
         eager[down] = _reductions_in_backward(down(block(x)))
@@ -189,7 +189,7 @@ def test_last_block_gradient_is_not_summed_again(inner):
     (reduction,) = border.first.layer.reductions
     # (Inductor's joint passes drop the tangent's no-op view first)
     assert (reduction.tangent, reduction.reduce_op, reduction.group_name, reduction.shape in (None, (8, 16))) \
-        == (0, "sum", mesh.get_group().group_name, True)
+        == (0, "sum", mesh_1d().get_group().group_name, True)
 
 
 def test_block_whose_partial_gradient_costs_more_is_converted_to_it():
