@@ -49,7 +49,6 @@ import hashlib
 import inspect
 import json
 import os
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -73,7 +72,6 @@ from .dtensor_border import (
     _new_dtensor,
     _respec,
     _Slot,
-    _spec,
     _wide_value,
     _wrapper,
     check_grad,
@@ -82,6 +80,7 @@ from .dtensor_border import (
     prepare,
     regrad_conversions,
 )
+from .specs import decode_placements, decode_records, encode_placements, encode_records, make_spec
 
 __all__ = ["BORDER_ENTER", "BORDER_LEAVE", "CacheableBorder", "border_enter", "border_for", "border_leave",
            "decode_placements", "encode_placements"]
@@ -101,58 +100,8 @@ def _version() -> str:
     from . import dtensor_border
 
     parts = [KEY_VERSION] + [inspect.getsource(f) for f in (
-        border_enter, border_leave, decode_placements, dtensor_border._Enter, dtensor_border._spec)]
+        border_enter, border_leave, decode_placements, dtensor_border._Enter, make_spec)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-# --- placements as text: the wrapper's constants, the gradient files' entries ------
-
-def encode_placements(placements: Sequence[Any]) -> str | None:
-    """``"S(0),R,P(sum)"`` for (Shard(0), Replicate(), Partial("sum")),
-    ``SS(0,2)`` for a ``_StridedShard``; None for a placement of another kind
-    (a norm Partial): such a graph keeps the lean border."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    from .._torch_compat import StridedShard
-
-    out = []
-    for p in placements:
-        if type(p) is StridedShard:
-            out.append(f"SS({p.dim},{p.split_factor})")
-        elif type(p) is Shard:
-            out.append(f"S({p.dim})")
-        elif type(p) is Replicate:
-            out.append("R")
-        elif type(p) is Partial and isinstance(p.reduce_op, str) and p.reduce_op.isidentifier():
-            out.append(f"P({p.reduce_op})")
-        else:
-            return None
-    return ",".join(out)
-
-
-def decode_placements(text: str) -> tuple:
-    """The placements :func:`encode_placements` wrote."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    from .._torch_compat import StridedShard
-
-    items = re.findall(r"[A-Z]+\([^)]*\)|R", text)
-    if ",".join(items) != text:
-        raise ValueError(f"localmap_fx: {text!r} is no placements text this border wrote")
-    out: list[Any] = []
-    for item in items:
-        if item.startswith("SS(") and item.endswith(")"):
-            dim, factor = item[3:-1].split(",")
-            out.append(StridedShard(int(dim), split_factor=int(factor)))
-        elif item == "R":
-            out.append(Replicate())
-        elif item.startswith("S(") and item.endswith(")"):
-            out.append(Shard(int(item[2:-1])))
-        elif item.startswith("P(") and item.endswith(")"):
-            out.append(Partial(item[2:-1]))
-        else:
-            raise ValueError(f"localmap_fx: {item!r} is no placement this border wrote")
-    return tuple(out)
 
 
 # --- the wrapper's named functions ---------------------------------------------------
@@ -166,7 +115,7 @@ _RECORDING: list[list[list]] = []
 def border_enter(local: torch.Tensor, wide: torch.Tensor | None, mesh: Any, placements: str,
                  shape: tuple, stride: tuple, dtype: torch.dtype, index: int) -> DTensor:
     """The DTensor input ``index`` of the wrapped graph (traced by AOTAutograd only)."""
-    spec = _spec(mesh, decode_placements(placements), shape, stride, dtype)
+    spec = make_spec(mesh, decode_placements(placements), shape, stride, dtype)
     record = _RECORDING[-1][index] if _RECORDING else []
     return _Enter.apply(local, wide, spec, record)
 
@@ -214,22 +163,6 @@ def _grads_path(key: str) -> str:
     return os.path.join(inductor_cache_dir(), "localmap_fx", "border_grads", f"{key}.json")
 
 
-def _grads_entries(records: Sequence[list]) -> list | None:
-    """The records as JSON entries, None if one cannot be written."""
-    out: list = []
-    for r in records:
-        if not r:
-            out.append(None)
-            continue
-        spec, wide = r
-        text = encode_placements(spec.placements)
-        if text is None:
-            return None
-        meta = spec.tensor_meta
-        out.append([text, list(meta.shape), list(meta.stride), str(meta.dtype).removeprefix("torch."), bool(wide)])
-    return out
-
-
 def _save_grads(key: str, entries: list) -> None:
     path = _grads_path(key)
     try:
@@ -246,24 +179,9 @@ def _load_grads(key: str, meshes: Sequence[Any]) -> list[list] | None:
     """Per input, [spec, wide] as ``_Enter`` records it, from the file; None when absent or unreadable."""
     try:
         with open(_grads_path(key)) as f:
-            entries = json.load(f)
+            return decode_records(json.load(f), meshes)
     except (OSError, ValueError):
         return None
-    if not isinstance(entries, list) or len(entries) != len(meshes):
-        return None
-    out: list[list] = []
-    for e, mesh in zip(entries, meshes):
-        if e is None:
-            out.append([])
-            continue
-        if mesh is None:
-            return None
-        try:
-            text, shape, stride, dtype, wide = e
-            out.append([_spec(mesh, decode_placements(text), shape, stride, getattr(torch, dtype)), bool(wide)])
-        except (TypeError, ValueError, AttributeError):
-            return None
-    return out
 
 
 # --- the border ----------------------------------------------------------------------
@@ -508,7 +426,7 @@ def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepa
         compiled, records, _ = compile_recording(aot_cache=False)
         source = "the trace (AOTAutogradCache hit without a gradient file)"
     if loaded is None:
-        entries = _grads_entries(records)
+        entries = encode_records(records)
         if entries is not None:
             _save_grads(key, entries)
     cache_keys.log.info("DTensor border, AOTAutograd's runtime: input gradients' placements from %s", source)

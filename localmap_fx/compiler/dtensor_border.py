@@ -189,6 +189,7 @@ from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_
 from ..passes.hoist_tangent_reductions import REDUCTION, TangentReduction, hoist_tangent_reductions
 from .conversions import Conversion, plan_conversion
 from .conversions import new_dtensor as _new_dtensor
+from .specs import make_spec
 
 if TYPE_CHECKING:
     from .inner import AotGraph, CompileOne
@@ -233,12 +234,6 @@ class _Variant:
     saved: tuple  # _saved_signature: what its backward reads from the forward
 
 
-def _spec(mesh, placements, shape, stride, dtype):
-    from .._torch_compat import DTensorSpec, TensorMeta
-
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
-
-
 def _static(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
@@ -275,7 +270,7 @@ class _Enter(torch.autograd.Function):
             grad = grad.redistribute(spec.mesh, _default_tangent(spec.placements))
         # read while AOTAutograd traces the joint graph (sizes are static)
         # (the mesh is the input's: inside the trace it may be a fake object)
-        ctx.record[:] = [_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype), wide]
+        ctx.record[:] = [make_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype), wide]
         if wide:
             return None, grad.to_local(), None, None
         return grad.to_local(), None, None, None
@@ -382,7 +377,7 @@ def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list
                 (m for m in real if m == v.device_mesh), None)
             if mesh is None:
                 return Refusal(BorderRefused.MESH, f"{where}: its mesh is no mesh among the inputs")
-            return _Slot(_spec(mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
+            return _Slot(make_spec(mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
         if is_traceable_wrapper_subclass(v):
             return Refusal(BorderRefused.SUBCLASS, f"{where}: a {type(v).__name__}")
         if isinstance(v, torch.Tensor) and not _static(v):
@@ -1119,4 +1114,4 @@ def _viewed(t: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
 def _respec(spec: Any, placements: Placements) -> Any:
     """``spec`` with other placements (same mesh, global shape, stride, dtype)."""
     meta = spec.tensor_meta
-    return _spec(spec.mesh, placements, meta.shape, meta.stride, meta.dtype)
+    return make_spec(spec.mesh, placements, meta.shape, meta.stride, meta.dtype)

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from localmap_fx.compiler.cacheable_border import CacheableBorder, decode_placements, encode_placements
+from localmap_fx.compiler.cacheable_border import CacheableBorder
 from localmap_fx.compiler.dtensor_border import DTensorBorder
+from localmap_fx.compiler.specs import decode_placements, encode_placements
 
 from helpers import border_recording, col_row, mesh_1d, seeded_dtensor
 
