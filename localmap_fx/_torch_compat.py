@@ -121,6 +121,14 @@ SYMBOLS: tuple[Symbol, ...] = (
            "the cacheable DTensor border's gradient files live beside torch's caches"),
     Symbol("compile_fx_inner", "torch._inductor.compile_fx", "compile_fx_inner", CHECKED,
            "the inductor inner compiler, forward and backward graphs"),
+    Symbol("FxGraphCache", "torch._inductor.codecache", "FxGraphCache", CHECKED,
+           "a compiled layer restored in a new process loads its graphs by the keys its first compile got"),
+    Symbol("CompiledFxGraphConstants", "torch._inductor.output_code", "CompiledFxGraphConstants", CHECKED,
+           "what loading a graph from Inductor's cache and its post_compile are given"),
+    Symbol("BoxedBool", "torch._inductor.utils", "BoxedBool", CHECKED,
+           "post_compile of a graph loaded from Inductor's cache reads cudagraphs as one"),
+    Symbol("CompiledTritonKernels", "torch._inductor.async_compile", "CompiledTritonKernels", CHECKED,
+           "cleared before a graph is loaded from Inductor's cache, as AOTAutogradCache does"),
     Symbol("TracingContext", "torch._guards", "TracingContext", CHECKED,
            "a layer is compiled under its own tracing context; its fw_metadata is read from it"),
     Symbol("tracing", "torch._guards", "tracing", CHECKED,
@@ -225,6 +233,11 @@ PRIVATE_ATTRIBUTES: tuple[PrivateAttribute, ...] = (
     PrivateAttribute("_qualified_op_name", "torch._ops.OpOverloadPacket", CHECKED,
                      "a packet's name without resolving an overload"),
     PrivateAttribute("_is_view", "torch.Tensor", CHECKED, "a compiled layer's outputs that are views"),
+    PrivateAttribute("_fx_graph_cache_key", "torch._inductor.output_code.OutputCode", CHECKED,
+                     "the key a compiled AOT graph has in Inductor's FX graph cache (what AOTAutogradCache "
+                     "stores too), kept so a new process loads it without tracing"),
+    PrivateAttribute("_fx_graph_cache_debug_lines", "torch._inductor.output_code.OutputCode", CHECKED,
+                     "stored with that key, as AOTAutogradCache does"),
     PrivateAttribute("_i_will_not_complain_if_bc_breaks_InstructionTranslator",
                      "torch._dynamo.comptime.ComptimeContext", CHECKED,
                      "capture reads the traced frame's locals"),
@@ -275,7 +288,11 @@ if TYPE_CHECKING:
     from torch._guards import CompileContext, TracingContext, detect_fake_mode, tracing
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph_placeholder
     from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import CompiledTritonKernels
+    from torch._inductor.codecache import FxGraphCache
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.utils import BoxedBool
     from torch._logging import getArtifactLogger, trace_structured
     from torch._logging._internal import log_registry, register_artifact, register_log, trace_log
     from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket

@@ -382,7 +382,7 @@ def border_for(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_one: C
         border = cacheable_border(gm, example_inputs, p, compile_one)
         if border is not None:
             return border
-    return dtensor_border(gm, example_inputs, compile_one, p)
+    return dtensor_border(gm, example_inputs, compile_one, p, cache=cacheable)
 
 
 def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepared,

@@ -189,7 +189,7 @@ from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_
 from ..passes.hoist_tangent_reductions import REDUCTION, TangentReduction, hoist_tangent_reductions
 from .conversions import Conversion, plan_conversion
 from .conversions import new_dtensor as _new_dtensor
-from .specs import make_spec
+from .specs import decode_records, encode_placements, encode_records, make_spec
 
 if TYPE_CHECKING:
     from .inner import AotGraph, CompileOne
@@ -620,7 +620,7 @@ def _plan_tangents(default: tuple, guess: tuple, chained: dict[int, int], runs: 
 
 def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
-                     wide: Sequence[int]) -> tuple[_Variant | Refusal, _TangentPlan]:
+                     wide: Sequence[int], cache: bool = False) -> tuple[_Variant | Refusal, _TangentPlan]:
     """The :class:`_TangentPlan` and its first variant, compiled once (Note:
     [The gradient a stack sends back]).
 
@@ -645,7 +645,7 @@ def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
     # a stack's last block sends what the default assumes: its reduction is
     # the border's to skip (Note: [The tangent's all_reduce belongs to the border])
     return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide,
-                            hoist=plan.first != default), plan
+                            hoist=plan.first != default, cache=cache), plan
 
 
 _SEEN = 16  # identities of arrived placements remembered per border
@@ -697,8 +697,10 @@ class DTensorBorder:
 
     def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
                  inputs: Sequence[_Slot], outputs: Sequence[_Slot], first: _Variant, wide: tuple[int, ...] = (),
-                 wide_values: tuple[torch.Tensor, ...] = (), plan: _TangentPlan | None = None) -> None:
+                 wide_values: tuple[torch.Tensor, ...] = (), plan: _TangentPlan | None = None,
+                 cache: bool = False) -> None:
         self._gm = gm
+        self._cache = cache  # Note: [A kept compile restarts from Inductor's cache]
         self._local_inputs = local_inputs
         # Note: [A gradient wider than its input]: the inputs with a wide slot,
         # and what the compiled forward is given there (never read)
@@ -799,7 +801,7 @@ class DTensorBorder:
         if tangents in self.variants:
             return self.variants[tangents]
         v = _compile_variant(self._gm, self._local_inputs, self._fake_mode, self._compile_one,
-                             self.inputs, self.outputs, tangents, self.wide)
+                             self.inputs, self.outputs, tangents, self.wide, cache=self._cache)
         first = self.first.layer
         usable = (not isinstance(v, Refusal) and v.saved == self.first.saved
                   and (v.layer.n_outputs, v.layer.n_opaque, v.layer.n_symints)
@@ -865,18 +867,93 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
 
 def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
                      inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
-                     wide: Sequence[int] = (), hoist: bool = False) -> _Variant | Refusal:
+                     wide: Sequence[int] = (), hoist: bool = False, cache: bool = False) -> _Variant | Refusal:
     """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs; ``hoist``: its
-    backward's all_reduce of a tangent left to the border (Note: [The tangent's all_reduce belongs to the border])."""
+    backward's all_reduce of a tangent left to the border (Note: [The tangent's all_reduce belongs to the border]);
+    ``cache``: restored from, and saved to, Inductor's cache (Note: [A kept compile restarts from Inductor's cache])."""
+    from . import layer_cache
+
     records: list[list] = [[] for _ in inputs]
     wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
+    about = _variant_about(inputs, outputs, tangents, wide, hoist) if cache else None
+    key = layer_cache.layer_key(wrapped, local_inputs, about) if about is not None else None
+    if key is not None:
+        restored = _restored_variant(layer_cache.load_layer(key, fake_mode), inputs, tangents)
+        if restored is not None:
+            return restored
     compiled, fw_metadata = compile_with_metadata(compile_one, wrapped, list(local_inputs), True, fake_mode,
                                                   (hoist_tangent_reductions,) if hoist else ())
     layer = compiled_layer(compiled.aot_graphs, fw_metadata)
     if isinstance(layer, Refusal):
         return layer
+    variant = _Variant(tangents, layer, [r[0] if r else None for r in records], [bool(r and r[1]) for r in records],
+                       _saved_signature(compiled.aot_graphs))
+    grads = encode_records(records)
+    if key is not None and grads is not None:
+        layer_cache.save_layer(key, compiled.aot_graphs, layer, {"grads": grads, "saved": _saved_json(variant.saved)})
+    return variant
+
+
+def _variant_about(inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int],
+                   hoist: bool) -> list | None:
+    """What a variant's wrapper code does not say (its closures' specs), as
+    JSON for its cache key; None when a mesh or placement has no text."""
+    from . import cache_keys
+
+    def slot(s: _Slot) -> list | None:
+        if s.spec is None:
+            return None
+        mesh, placements = cache_keys.mesh_key(s.spec.mesh), encode_placements(s.spec.placements)
+        if mesh is None or placements is None:
+            raise ValueError
+        meta = s.spec.tensor_meta
+        return [mesh, placements, list(meta.shape), list(meta.stride), str(meta.dtype), list(s.shape)]
+
+    try:
+        about = [[slot(s) for s in inputs], [slot(s) for s in outputs], list(wide), hoist]
+        texts = [None if t is None else encode_placements(t) for t in tangents]
+    except ValueError:
+        return None
+    if any(t is None and p is not None for t, p in zip(texts, tangents)):
+        return None
+    return [*about, texts]
+
+
+def _saved_json(saved: tuple) -> list:
+    return [[name, layout if isinstance(layout, str) else [list(layout[0]), list(layout[1]), str(layout[2])]]
+            for name, layout in saved]
+
+
+def _saved_from_json(entries: list) -> tuple:
+    """:func:`_saved_signature`'s tuple from :func:`_saved_json`'s list."""
+    out = []
+    for name, layout in entries:
+        if isinstance(layout, str):
+            out.append((name, layout))
+            continue
+        shape, stride, dtype = layout
+        dt = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"no dtype {dtype!r}")
+        out.append((name, (tuple(shape), tuple(stride), dt)))
+    return tuple(out)
+
+
+def _restored_variant(restored: tuple[CompiledLayer, Any] | None, inputs: Sequence[_Slot],
+                      tangents: tuple) -> _Variant | None:
+    """The variant of a layer restored from the cache (its record: input gradients, saved signature)."""
+    if restored is None:
+        return None
+    layer, record = restored
+    try:
+        records = decode_records(record["grads"], [s.spec.mesh if s.spec is not None else None for s in inputs])
+        saved = _saved_from_json(record["saved"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if records is None:
+        return None
     return _Variant(tangents, layer, [r[0] if r else None for r in records], [bool(r and r[1]) for r in records],
-                    _saved_signature(compiled.aot_graphs))
+                    saved)
 
 
 def _wrapper_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake_mode: Any) -> tuple[list, tuple]:
@@ -975,22 +1052,25 @@ def prepare(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Prepared | Ref
 
 
 def dtensor_border(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_one: CompileOne,
-                   prepared: Prepared | None = None) -> DTensorBorder | Refusal:
+                   prepared: Prepared | None = None, cache: bool = False) -> DTensorBorder | Refusal:
     """Compile ``gm`` behind a lean DTensor border, or say why it keeps AOTAutograd's runtime.
 
     ``compile_one`` is :func:`localmap_fx.compiler.inner.inner_compiler`'s
     (it must keep the AOT graphs: inductor or aot_eager); ``prepared``:
-    :func:`prepare`'s answer, if already asked.
+    :func:`prepare`'s answer, if already asked; ``cache``: its compiles are
+    restored from and saved to Inductor's cache (Note: [A kept compile
+    restarts from Inductor's cache]: torch's caches are on and nobody asked
+    for the AOT graphs).
     """
     p = prepared if prepared is not None else prepare(gm, example_inputs)
     if isinstance(p, Refusal):
         return p
     first, plan = _compile_planned(gm, p.local_inputs, p.fake_mode, compile_one, p.inputs, p.outputs,
-                                   example_inputs, p.wide)
+                                   example_inputs, p.wide, cache)
     if isinstance(first, Refusal):
         return first
     return DTensorBorder(gm, p.local_inputs, p.fake_mode, compile_one, p.inputs, p.outputs, first, p.wide,
-                         tuple(_wide_value(example_inputs[i]) for i in p.wide), plan)
+                         tuple(_wide_value(example_inputs[i]) for i in p.wide), plan, cache)
 
 
 _TENSOR = object()

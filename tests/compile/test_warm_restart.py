@@ -12,6 +12,7 @@ graph cache hits (Note: [Stable keys behind the border]); with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,7 +75,10 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: 
         with open(save, "wb") as f_out:
             f_out.write(artifacts[0])
     grads = [p.grad.to_local().double().norm().item() for p in model.parameters()]  # type: ignore[union-attr]
+    from localmap_fx.compiler import layer_cache
+
     print(json.dumps({
+        "layers": dataclasses.asdict(layer_cache.counts()),
         "aot": dict(counters["aot_autograd"]),
         "inductor": dict(counters["inductor"]),
         "frames": counters["stats"]["unique_graphs"],
@@ -128,6 +132,43 @@ def test_default_options_hit_the_fx_graph_cache_in_a_new_process(tmp_path):
     assert warm["inductor"].get("fxgraph_cache_hit", 0) == compiles, warm
     # the lean border keeps its AOT graphs: AOTAutogradCache is not asked
     assert not any(k.startswith("autograd_cache") for k in warm["aot"]), warm
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+def test_default_options_regional_blocks_restart_without_tracing(tmp_path):
+    """Default options, regional blocks: the first process writes what the
+    border read off its compile beside the caches, and the second loads the
+    block's forward and backward by their FX keys and traces nothing (Note:
+    [A kept compile restarts from Inductor's cache]); the same numbers."""
+    cold = _run("regional", str(tmp_path / "cache"), n_layers=3, stable=False)
+    warm = _run("regional", str(tmp_path / "cache"), n_layers=3, stable=False)
+    # one variant compiled, for the Partial gradient a stack sends; the last
+    # block's Replicate gradient is converted, not compiled for
+    assert cold["layers"] == {"hit": 0, "miss": 1, "saved": 1}, cold
+    assert warm["layers"] == {"hit": 1, "miss": 0, "saved": 0}, warm
+    assert warm["inductor"].get("fxgraph_cache_hit", 0) == 2 and "fxgraph_cache_miss" not in warm["inductor"], warm
+    assert len(os.listdir(tmp_path / "cache" / "localmap_fx" / "layers")) == 1
+    _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["fx_cache_gone", "entry_garbled"])
+def test_a_restored_layer_without_its_fx_graphs_or_readable_entry_compiles_again(tmp_path, damage):
+    """The entry names FX graph cache keys: with Inductor's cache emptied, or
+    the entry garbled, the second process compiles the block again (a miss,
+    then a fresh entry): the same numbers, never a guess."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    cold = _run("regional", str(cache), n_layers=2, stable=False)
+    if damage == "fx_cache_gone":
+        shutil.rmtree(cache / "fxgraph")
+    else:
+        (entry,) = (cache / "localmap_fx" / "layers").iterdir()
+        entry.write_text(entry.read_text()[:-40])
+    warm = _run("regional", str(cache), n_layers=2, stable=False)
+    assert warm["layers"] == {"hit": 0, "miss": 1, "saved": 1}, warm
     _same_numbers(cold, warm)
 
 
