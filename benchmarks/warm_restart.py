@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -70,9 +71,13 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False, s
     t0, c0 = time.perf_counter(), _cpu()
     step()
     seconds, cpu = time.perf_counter() - t0, _cpu() - c0
+    from localmap_fx.compiler import layer_cache
+
     return {
         "seconds": seconds,
         "cpu_seconds": cpu,
+        # Note: [A kept compile restarts from Inductor's cache]
+        "layers": {k: v for k, v in dataclasses.asdict(layer_cache.counts()).items() if v},
         "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
         "fx": {k: v for k, v in counters["inductor"].items() if "cache" in k},
     }
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
                   f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); CPU s: cold {r['cold']['cpu_seconds']:6.2f}, "
                   f"warm {r['warm']['cpu_seconds']:6.2f}, warm/cold {r['cpu_ratio']:.2f}; warm caches: aot {r['warm']['aot']}, "
-                  f"fx {r['warm']['fx']}", flush=True)
+                  f"fx {r['warm']['fx']}, restored layers {r['warm']['layers']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -232,6 +232,8 @@ class _Variant:
     in_grad_specs: list  # per graph input: the spec its gradient gets (None: no gradient / plain)
     in_grad_wide: list  # per graph input: its gradient leaves through its wide slot
     saved: tuple  # _saved_signature: what its backward reads from the forward
+    # loaded from Inductor's cache, nothing traced (Note: [A kept compile restarts from Inductor's cache])
+    restored: bool = False
 
 
 def _static(t: torch.Tensor) -> bool:
@@ -739,9 +741,10 @@ class DTensorBorder:
                f"(planned: {self.plan.text()})"
 
     def _variant_text(self, tangents: tuple, variant: _Variant | None) -> str:
-        """``(P)``, or ``(P) (redistributed: P->R@tp:all_reduce; input 3: S(0)->P@tp:embed)`` for a converted one."""
+        """``(P)`` (``(P) restored``: from Inductor's cache), or ``(P) (redistributed:
+        P->R@tp:all_reduce; input 3: S(0)->P@tp:embed)`` for a converted one."""
         if variant is not None:
-            return _placements_text(tangents)
+            return _placements_text(tangents) + (" restored" if variant.restored else "")
         bw = self._backwards.get(tangents)
         steps = [] if bw is None else [c.text() for _, c in bw.to_first] + [
             f"input {i}: {c.text()}" for i, c in bw.regrad.items()]
@@ -926,7 +929,7 @@ def _saved_json(saved: tuple) -> list:
 
 def _saved_from_json(entries: list) -> tuple:
     """:func:`_saved_signature`'s tuple from :func:`_saved_json`'s list."""
-    out = []
+    out: list[tuple] = []
     for name, layout in entries:
         if isinstance(layout, str):
             out.append((name, layout))
@@ -953,7 +956,7 @@ def _restored_variant(restored: tuple[CompiledLayer, Any] | None, inputs: Sequen
     if records is None:
         return None
     return _Variant(tangents, layer, [r[0] if r else None for r in records], [bool(r and r[1]) for r in records],
-                    saved)
+                    saved, restored=True)
 
 
 def _wrapper_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake_mode: Any) -> tuple[list, tuple]:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from .observe import Observer
 from .options import INNER_COMPILERS, BackendOptions
 
-__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "inner_compiler"]
+__all__ = ["INNER", "AotGraph", "Compiled", "CompileOne", "caches_serve", "inner_compiler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +133,14 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 
 
+def caches_serve(opts: BackendOptions, observer: Observer) -> bool:
+    """Would torch's caches serve a graph compiled now, with nobody asking for
+    its AOT graphs (Notes: [A border torch's caches can serve], [A kept
+    compile restarts from Inductor's cache])?"""
+    return _torch_caches_on(opts) and not observer.wants_aot_graphs
+
+
 def _torch_caches_on(opts: BackendOptions) -> bool:
-    """Would AOTAutogradCache serve a graph compiled now (Note: [A border torch's caches can serve])?"""
     from .._torch_compat import functorch_config, inductor_config
 
     return (opts.inner == "inductor" and bool(functorch_config.enable_autograd_cache)
@@ -181,7 +187,7 @@ def inner_compiler(opts: BackendOptions, observer: Observer | None = None) -> Co
             # Note: [Stable keys behind the border] (cache_keys.py)
             lifted_gm, inputs, lifted = cache_keys.lift_meshes(gm, example_inputs, carried_only=True)
             border = border_for(lifted_gm, inputs, compile_one,
-                                cacheable=_torch_caches_on(opts) and not watch.wants_aot_graphs)
+                                cacheable=caches_serve(opts, watch))
             watch.border(border.text() if isinstance(border, (DTensorBorder, CacheableBorder))
                          else f"not used, AOTAutograd's runtime instead: {border.text}")
             if isinstance(border, (DTensorBorder, CacheableBorder)):

@@ -149,7 +149,9 @@ def layer_key(gm: fx.GraphModule, example_inputs: Sequence[Any], caller: Any) ->
     """The key of ``gm`` compiled for ``example_inputs``; ``caller``: JSON
     values saying what the graph's code does not (its closures' constants).
     None when it must not be cached (:func:`cacheable_graph`)."""
-    if cacheable_graph(gm) is not None:
+    reason = cacheable_graph(gm)
+    if reason is not None:
+        log.info("compiled layer: not restored in a new process: %s", reason)
         return None
     codes = [(name, m.code) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
     attrs = sorted((str(n.target), repr(getattr(m, str(n.target), None)))
@@ -223,6 +225,7 @@ def save_layer(key: str, aot_graphs: Sequence[Any], layer: CompiledLayer, record
     except OSError:
         return False  # a read-only cache: the next process traces again
     _COUNTS.saved += 1
+    log.info("compiled layer %s: saved for a new process", key[:12])
     return True
 
 
@@ -277,7 +280,7 @@ def load_layer(key: str, fake_mode: Any) -> tuple[CompiledLayer, Any] | None:
         with tracing(TracingContext(fake_mode)):
             fw = _load_graph(entry["forward"], False, fake_mode)
             bw = _load_graph(entry["backward"], True, fake_mode) if fw is not None else None
-        layer = None if bw is None else CompiledLayer(
+        layer = None if fw is None or bw is None else CompiledLayer(
             fw, bw, int(entry["n_outputs"]),
             tuple((tuple(s), tuple(st)) for s, st in entry["tangent_layouts"]),
             tuple((_dtype(d), torch.device(dev)) for d, dev in entry["tangent_types"]),
@@ -289,7 +292,10 @@ def load_layer(key: str, fake_mode: Any) -> tuple[CompiledLayer, Any] | None:
         log.info("compiled layer %s: unreadable entry (%s), compiled again", key[:12], e)
         layer = None
     if layer is None:
+        log.info("compiled layer %s: its graphs are no longer in Inductor's cache, compiled again", key[:12])
         _COUNTS.miss += 1
         return None
     _COUNTS.hit += 1
+    log.info("compiled layer %s: restored from Inductor's cache (forward and backward by their FX keys), "
+             "nothing traced", key[:12])
     return layer, entry.get("record")

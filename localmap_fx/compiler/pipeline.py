@@ -61,7 +61,7 @@ from ..passes.fuse_boundaries import fuse_boundaries
 from ..passes.inline_marked_blocks import find_marked_calls, inline_marked_blocks
 from ..passes.inline_shared_bodies import inline_shared_bodies
 from ..passes.outline_regions import outline_regions
-from .inner import CompileOne, inner_compiler
+from .inner import CompileOne, caches_serve, inner_compiler
 from .observe import Observer, Observers, UserHooks
 from .options import BackendOptions
 
@@ -184,7 +184,7 @@ def _inner(f: FrameState) -> None:
     # Note: [A piece without matrix products skips Inductor] in layer_sharing/compile.py
     small = (inner_compiler(dataclasses.replace(f.opts, inner="aot_eager"), f.observer)
              if f.opts.inner == "inductor" else None)
-    f.reports = compile_pieces(f.gm, f.compile_one, small)
+    f.reports = compile_pieces(f.gm, f.compile_one, small, cache=caches_serve(f.opts, f.observer))
 
 
 def _layer_runs(f: FrameState) -> None:

@@ -103,18 +103,28 @@ class _PieceModule(torch.nn.Module):
 
 
 def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileOne, name: str,
-                  as_layer: bool) -> CompiledPiece:
+                  as_layer: bool, cache: bool = False) -> CompiledPiece:
     """Compile one piece; ``as_layer``: try to run it as a :class:`CompiledLayer`.
 
     A layer piece that DTensors cross is compiled as a graph of its own
     (``compile_one`` puts it behind the lean DTensor border where that is
     on: Note: [No DTensor at an automatic border]); AOTAutograd's subclass
     runtime runs it otherwise, as it runs every piece a CompiledLayer refuses.
+    ``cache``: a layer is restored from, and saved to, Inductor's cache
+    (Note: [A kept compile restarts from Inductor's cache]).
     """
+    from .._torch_compat import detect_fake_mode
+    from ..compiler import layer_cache
+
     # Note: [What a CompiledLayer relies on]
     out_node = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
     border = [*example, *(node_value(o) for o in out_node.args[0])]
     crossing = subclasses_crossing(border) if as_layer else ()
+    key = layer_cache.layer_key(sub, example, ["layer piece"]) if cache and as_layer and not crossing else None
+    if key is not None:
+        restored = layer_cache.load_layer(key, detect_fake_mode(example))
+        if restored is not None:
+            return CompiledPiece(name, restored[0], (), restored[0])
     compiled, fw_metadata = compile_with_metadata(compile_one, sub, example, as_layer and not crossing)
     if not as_layer:
         return CompiledPiece(name, compiled.fn)
@@ -122,6 +132,8 @@ def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileO
         return CompiledPiece(name, compiled.fn, layer=Refusal(
             Refused.SUBCLASS_AT_BORDER, f"a {', '.join(crossing)} crosses its border"))
     layer = compiled_layer(compiled.aot_graphs, fw_metadata, border)
+    if key is not None and isinstance(layer, CompiledLayer):
+        layer_cache.save_layer(key, compiled.aot_graphs, layer, None)
     fn = layer if isinstance(layer, CompiledLayer) else compiled.fn
     return CompiledPiece(name, fn, compiled.aot_graphs, layer)
 
@@ -145,14 +157,14 @@ def skips_inductor(sub: fx.GraphModule) -> bool:
 
 
 def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, small: CompileOne | None = None,
-                   ) -> list[PieceReport]:
+                   cache: bool = False) -> list[PieceReport]:
     """Give every piece of ``outer`` its compiled callable (one compile per key).
 
     A piece that only unwraps its DTensor inputs is no compile: it runs as an
     :class:`~.unwrap.Unwrap` (Note: [A piece that only unwraps runs as an
     Unwrap]); ``small`` compiles a piece used once that holds no matrix
     product (Note: [A piece without matrix products skips Inductor]),
-    ``compile_one`` the others.  The graph is not edited: its code looks
+    ``compile_one`` the others; ``cache``: :func:`compile_piece`'s.  The graph is not edited: its code looks
     each piece up as ``self.piece_<i>`` when it runs, so it calls the
     compiled ones.
     """
@@ -170,7 +182,7 @@ def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, small: Compil
             else:
                 example = [node_value(a) for a in call.args]
                 one = small if small is not None and meta.key is None and skips_inductor(sub) else compile_one
-                compiled = compile_piece(sub, example, one, target, meta.key is not None)
+                compiled = compile_piece(sub, example, one, target, meta.key is not None, cache and one is compile_one)
             if meta.key is not None:
                 by_key[meta.key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))

@@ -211,6 +211,10 @@ def test_a_marked_blocks_layer_hits_the_fx_graph_cache_in_a_new_process(tmp_path
     warm = _run("marked", str(tmp_path / "cache"), n_layers=3, stable=False)
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
     assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 2, warm
+    # the layer piece is restored without a trace (Note: [A kept compile
+    # restarts from Inductor's cache]); the loss piece is AOTAutograd's alone
+    assert cold["layers"] == {"hit": 0, "miss": 1, "saved": 1}, cold
+    assert warm["layers"] == {"hit": 1, "miss": 0, "saved": 0}, warm
     _same_numbers(cold, warm)
 
 
@@ -229,6 +233,8 @@ def test_a_marked_layer_that_dtensor_weights_enter_hits_the_fx_graph_cache_in_a_
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
     assert warm["inductor"].get("fxgraph_cache_hit", 0) == compiles, warm
+    # restored behind the lean border, nothing traced
+    assert warm["layers"]["hit"] >= 1 and warm["layers"]["miss"] == 0, warm
     _same_numbers(cold, warm)
 
 

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.layer_sharing.runs",),
     ("localmap_fx.compiler.cacheable_border",),
     ("localmap_fx.compiler.dtensor_border", "localmap_fx.layer_sharing.piece_meshes"),
+    ("localmap_fx.compiler.layer_cache",),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
@@ -41,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.layer_sharing.unwrap",
         "localmap_fx.compiler.cache_keys",
         "localmap_fx.compiler.conversions",
+        "localmap_fx.compiler.specs",
         "localmap_fx.lowering",
         "localmap_fx.debug.layout",
     ),
