@@ -159,3 +159,26 @@ def test_compiled_regions_do_not_keep_user_functions_alive():
     assert body_ref() is None
     assert big_ref() is None
     assert set(vars(reuse._SHARED)) == shared_before
+
+
+def test_mesh_key_is_made_once_per_mesh_and_lets_it_go():
+    """analysis.mesh_key is cached per mesh object (the layer search reads it
+    for every DTensor value): the same key for the same mesh, an equal one for
+    another object over the same ranks and names, a different one for other
+    names, and the cache never keeps a mesh alive."""
+    from localmap_fx.analysis import mesh_key
+
+    ensure_fake_pg()
+    a = DeviceMesh("cpu", list(range(WORLD_SIZE)), mesh_dim_names=("k",))
+    b = DeviceMesh("cpu", list(range(WORLD_SIZE)), mesh_dim_names=("k",))
+    c = DeviceMesh("cpu", list(range(WORLD_SIZE)), mesh_dim_names=("other",))
+    assert mesh_key(a) is mesh_key(a)
+    assert mesh_key(a)[:4] == mesh_key(b)[:4] and mesh_key(a)[1] == tuple(range(WORLD_SIZE))
+    assert mesh_key(a) != mesh_key(c)
+
+    def make_and_use():
+        m = _fresh_mesh()
+        mesh_key(m)
+        return weakref.ref(m)
+
+    assert _collected(make_and_use)
