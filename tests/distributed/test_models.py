@@ -222,8 +222,11 @@ def _compiled_ranks(rank, world_size, device, dump_root):
 
         # ours with a dynamic sequence length: every length against eager, and
         # how many graphs Dynamo handed the backend (static first, then one
-        # symbolic graph for automatic dynamic; one symbolic for mark_dynamic)
-        for mode, inner in (("mark_dynamic", "aot_eager"), ("automatic", "aot_eager"), ("mark_dynamic", "inductor")):
+        # symbolic graph for automatic dynamic; one symbolic for mark_dynamic).
+        # mark_dynamic under aot_eager is left out: its symbolic graph is the
+        # one automatic's second compile makes (bitwise here), and a symbolic
+        # compile of the 2-layer Llama costs 20-25 s a rank (torch's alone too)
+        for mode, inner in (("automatic", "aot_eager"), ("mark_dynamic", "inductor")):
             torch._dynamo.reset()
             # 2 layers: Dynamo shares shape symbols between the layers' regions
             m = _build(which, mesh, cfg={"n_layers": 2})
@@ -531,7 +534,7 @@ def test_dump_shows_regions_and_collectives(compiled, which):
 @pytest.mark.parametrize("which", MODELS)
 @pytest.mark.parametrize(
     "mode, inner, n_graphs",
-    [("mark_dynamic", "aot_eager", 1), ("automatic", "aot_eager", 2), ("mark_dynamic", "inductor", 1)],
+    [("automatic", "aot_eager", 2), ("mark_dynamic", "inductor", 1)],
 )
 @pytest.mark.inductor
 @pytest.mark.slow
