@@ -117,43 +117,28 @@ class _Pair:
     warm: dict
 
 
-def _pair(root, mode: str, stable: bool, artifacts: bool) -> _Pair:
-    cache = str(root / "cache")
-    saved = str(root / "artifacts.bin") if artifacts else ""
-    cold = _run(mode, cache, n_layers=3, save=saved, stable=stable)
-    return _Pair(cache, saved, cold, _run(mode, cache, n_layers=3, stable=stable))
-
-
 @pytest.fixture(scope="module")
-def regional_pair(tmp_path_factory):
-    """Default options, regional blocks."""
-    return _pair(tmp_path_factory.mktemp("regional"), "regional", stable=False, artifacts=False)
+def pairs(tmp_path_factory):
+    """``pairs(mode, stable)``: the pair of that mode and ``stable_cache_keys``,
+    made on first use (a whole-model pair's cold process also writes the mega-cache)."""
+    made: dict[tuple[str, bool], _Pair] = {}
 
-
-@pytest.fixture(scope="module")
-def whole_pair(tmp_path_factory):
-    """Default options, the whole model."""
-    return _pair(tmp_path_factory.mktemp("whole"), "whole", stable=False, artifacts=True)
-
-
-@pytest.fixture(scope="module")
-def stable_pairs(tmp_path_factory):
-    """``stable_cache_keys=True``, by mode (made on first use)."""
-    made: dict[str, _Pair] = {}
-
-    def get(mode: str) -> _Pair:
-        if mode not in made:
-            made[mode] = _pair(tmp_path_factory.mktemp(f"stable_{mode}"), mode, stable=True,
-                               artifacts=mode == "whole")
-        return made[mode]
+    def get(mode: str, stable: bool) -> _Pair:
+        if (mode, stable) not in made:
+            root = tmp_path_factory.mktemp(f"{mode}_{'stable' if stable else 'default'}")
+            cache = str(root / "cache")
+            artifacts = str(root / "artifacts.bin") if mode == "whole" else ""
+            cold = _run(mode, cache, n_layers=3, save=artifacts, stable=stable)
+            made[mode, stable] = _Pair(cache, artifacts, cold, _run(mode, cache, n_layers=3, stable=stable))
+        return made[mode, stable]
 
     return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["whole", "regional"])
-def test_a_new_process_hits_both_caches(stable_pairs, mode):
-    pair = stable_pairs(mode)
+def test_a_new_process_hits_both_caches(pairs, mode):
+    pair = pairs(mode, stable=True)
     cold, warm = pair.cold, pair.warm
     # the first process found an empty cache and filled it
     assert cold["aot"].get("autograd_cache_miss", 0) >= 1 and cold["aot"].get("autograd_cache_saved", 0) >= 1
@@ -164,12 +149,13 @@ def test_a_new_process_hits_both_caches(stable_pairs, mode):
 
 
 @pytest.mark.slow
-def test_default_options_hit_the_fx_graph_cache_in_a_new_process(regional_pair):
+def test_default_options_hit_the_fx_graph_cache_in_a_new_process(pairs):
     """Default options, regional blocks: the graph behind the lean border has
     no mesh input, so every Inductor compile of the first process is an FX
     graph cache hit in the second (before, the forward graph, whose inputs
     held the mesh, missed)."""
-    cold, warm = regional_pair.cold, regional_pair.warm
+    pair = pairs("regional", stable=False)
+    cold, warm = pair.cold, pair.warm
     compiles = cold["inductor"].get("fxgraph_cache_miss", 0) + cold["inductor"].get("fxgraph_cache_hit", 0)
     # a forward and a backward at least
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2, cold
@@ -181,31 +167,33 @@ def test_default_options_hit_the_fx_graph_cache_in_a_new_process(regional_pair):
 
 
 @pytest.mark.slow
-def test_default_options_regional_blocks_restart_without_tracing(regional_pair):
+def test_default_options_regional_blocks_restart_without_tracing(pairs):
     """Default options, regional blocks: the first process writes what the
     border read off its compile beside the caches, and the second loads the
     block's forward and backward by their FX keys and traces nothing (Note:
     [A kept compile restarts from Inductor's cache]); the same numbers."""
-    cold, warm = regional_pair.cold, regional_pair.warm
+    pair = pairs("regional", stable=False)
+    cold, warm = pair.cold, pair.warm
     # one variant compiled, for the Partial gradient a stack sends; the last
     # block's Replicate gradient is converted, not compiled for
     assert cold["layers"] == {"hit": 0, "miss": 1, "saved": 1}, cold
     assert warm["layers"] == {"hit": 1, "miss": 0, "saved": 0}, warm
     assert warm["inductor"].get("fxgraph_cache_hit", 0) == 2 and "fxgraph_cache_miss" not in warm["inductor"], warm
-    assert len(os.listdir(os.path.join(regional_pair.cache, "localmap_fx", "layers"))) == 1
+    assert len(os.listdir(os.path.join(pair.cache, "localmap_fx", "layers"))) == 1
     _same_numbers(cold, warm)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["fx_cache_gone", "entry_garbled"])
-def test_a_restored_layer_without_its_fx_graphs_or_readable_entry_compiles_again(regional_pair, tmp_path, damage):
+def test_a_restored_layer_without_its_fx_graphs_or_readable_entry_compiles_again(pairs, tmp_path, damage):
     """The entry names FX graph cache keys: with Inductor's cache emptied, or
     the entry garbled, the second process compiles the block again (a miss,
     then a fresh entry): the same numbers, never a guess."""
     import shutil
 
+    pair = pairs("regional", stable=False)
     cache = tmp_path / "cache"
-    shutil.copytree(regional_pair.cache, cache)  # what the cold process left (the warm one wrote nothing)
+    shutil.copytree(pair.cache, cache)  # what the cold process left (the warm one wrote nothing)
     if damage == "fx_cache_gone":
         shutil.rmtree(cache / "fxgraph")
     else:
@@ -213,34 +201,36 @@ def test_a_restored_layer_without_its_fx_graphs_or_readable_entry_compiles_again
         entry.write_text(entry.read_text()[:-40])
     warm = _run("regional", str(cache), n_layers=3, stable=False)
     assert warm["layers"] == {"hit": 0, "miss": 1, "saved": 1}, warm
-    _same_numbers(regional_pair.cold, warm)
+    _same_numbers(pair.cold, warm)
 
 
 @pytest.mark.slow
-def test_default_options_hit_both_caches_for_a_whole_model_in_a_new_process(whole_pair):
+def test_default_options_hit_both_caches_for_a_whole_model_in_a_new_process(pairs):
     """Default options, the whole model compiled: the border torch's caches
     serve (Note: [A border torch's caches can serve]); the second process
     traces nothing, reads the input gradients' placements from the file the
     first wrote, and gives the same numbers."""
-    cold, warm = whole_pair.cold, whole_pair.warm
+    pair = pairs("whole", stable=False)
+    cold, warm = pair.cold, pair.warm
     assert cold["aot"].get("autograd_cache_saved", 0) == 1, cold
     assert warm["aot"].get("autograd_cache_hit", 0) == 1 and warm["aot"].get("autograd_cache_miss", 0) == 0, warm
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
-    assert len(os.listdir(os.path.join(whole_pair.cache, "localmap_fx", "border_grads"))) == 1
+    assert len(os.listdir(os.path.join(pair.cache, "localmap_fx", "border_grads"))) == 1
     _same_numbers(cold, warm)
 
 
 @pytest.mark.slow
-def test_default_options_mega_cache_without_the_gradient_file_compiles_again(whole_pair, tmp_path):
+def test_default_options_mega_cache_without_the_gradient_file_compiles_again(pairs, tmp_path):
     """The mega-cache holds torch's caches, not the border's gradient file: a
     process that loads it into another folder hits AOTAutogradCache, finds no
     file, and compiles again with AOTAutogradCache off (Inductor's cache still
     hits): the same numbers, never a guess."""
-    warm = _run("whole", str(tmp_path / "b"), n_layers=3, load=whole_pair.artifacts, stable=False)
+    pair = pairs("whole", stable=False)
+    warm = _run("whole", str(tmp_path / "b"), n_layers=3, load=pair.artifacts, stable=False)
     assert warm["aot"].get("autograd_cache_hit", 0) == 1, warm
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
     assert len(os.listdir(tmp_path / "b" / "localmap_fx" / "border_grads")) == 1
-    _same_numbers(whole_pair.cold, warm)
+    _same_numbers(pair.cold, warm)
 
 
 @pytest.mark.slow
@@ -280,10 +270,10 @@ def test_a_marked_layer_that_dtensor_weights_enter_hits_the_fx_graph_cache_in_a_
 
 
 @pytest.mark.slow
-def test_mega_cache_artifacts_load_into_another_cache_dir(stable_pairs, tmp_path):
+def test_mega_cache_artifacts_load_into_another_cache_dir(pairs, tmp_path):
     """``torch.compiler.save_cache_artifacts`` in one process, ``load_cache_artifacts``
     in a second with an empty cache folder of its own: the second hits."""
-    pair = stable_pairs("whole")
+    pair = pairs("whole", stable=True)
     warm = _run("whole", str(tmp_path / "b"), n_layers=3, load=pair.artifacts)
     assert warm["aot"].get("autograd_cache_hit", 0) >= 1, warm
     assert warm["aot"].get("autograd_cache_miss", 0) == 0, warm
