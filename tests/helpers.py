@@ -61,24 +61,28 @@ def rank_dtensor(full, mesh, placements, requires_grad=True):
 def waiting_collectives():
     """Waits, on exit, every functional collective issued inside: eager funcol
     calls on the fake group whose results nothing reads (e.g. in a body a
-    checker rejects halfway) would otherwise stay unwaited."""
+    checker rejects halfway) would otherwise stay unwaited.  Yields the list
+    of their op names (``"all_reduce.default"``...), filled as they run: the
+    collectives a compiled backward or a run issues are counted too."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     wait = torch.ops._c10d_functional.wait_tensor.default
     issued: list = []
+    names: list[str] = []
 
     class _Issued(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func.namespace == "_c10d_functional" and func is not wait:
                 issued.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+                names.append(func.__name__)
             return out
 
     try:
         with _Issued():
-            yield
+            yield names
     finally:
         for t in issued:
             wait(t)

@@ -1162,11 +1162,9 @@ class _BorderFunction(torch.autograd.Function):
             g = arrived[i]
             if arrived_reduced and g is not None:
                 _, size, stride, _, _ = bw.tangents[k]
-                args.append(_viewed(_local_tangent(i, g, size, stride), r.shape))
+                args.append(r.viewed(_local_tangent(i, g, size, stride)))
             else:
-                ops = torch.ops._c10d_functional
-                args.append(ops.wait_tensor(ops.all_reduce(_viewed(args[first_tangent + k], r.shape),
-                                                           r.reduce_op, r.group_name)))
+                args.append(r.reduce(args[first_tangent + k]))
         out = list(layer.backward(args))
         n = len(border.inputs)
         for i, at, spec in bw.wraps:
@@ -1188,10 +1186,6 @@ def _local_tangent(i: int, g: Any, size: torch.Size, stride: tuple[int, ...]) ->
             f"localmap_fx: the gradient of output {i} of a compiled graph has local shape "
             f"{tuple(g.shape)}, its backward was compiled for {tuple(size)}")
     return g if g.stride() == stride or g.numel() <= 1 else _as_traced(g, (size, stride))
-
-
-def _viewed(t: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
-    return t if shape is None else t.view(shape)
 
 
 def _respec(spec: Any, placements: Placements) -> Any:

@@ -24,6 +24,11 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
     lift_piece_meshes    a shared layer piece's mesh inputs become constants in it,
                          so its cache keys are the same in a new process
                          (layer_sharing/piece_meshes.py)
+    whole_gradients      the tail reads the last layer's gradient whole (no
+                         Replicate -> Partial division); that layer's
+                         backward is compiled with its tangent all_reduce
+                         taken out, which its run supplies, or skips where
+                         the gradient arrives whole (layer_sharing/whole_gradients.py)
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
                          hoist_subgraph_views (and a lean border's guessed variant's
@@ -37,7 +42,8 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
                          with stable_cache_keys (no border) the mesh inputs leave
                          the graph handed to AOTAutograd (compiler/cache_keys.py)
     layer_runs           consecutive shared layers run as one LayerRun
-                         (layer_sharing/runs.py)
+                         (layer_sharing/runs.py); a layer taking a whole
+                         gradient runs in one even alone
 
 Note: [Outline or inline, decided once]
     A shared layer piece is compiled once anyway, and an outlined body is a
@@ -172,6 +178,12 @@ def _lift_piece_meshes(f: FrameState) -> None:
     f.run("lift_piece_meshes", lift_piece_meshes)
 
 
+def _whole_gradients(f: FrameState) -> None:
+    from ..layer_sharing.whole_gradients import apply_whole_gradients, find_whole_gradients
+
+    f.run("whole_gradients", apply_whole_gradients, find_whole_gradients(f.gm))
+
+
 def _inner(f: FrameState) -> None:
     if not f.split:
         f.observer.lowered(f.gm)
@@ -223,6 +235,8 @@ STAGES: tuple[Stage, ...] = (
           lambda f: f.split, _split_layers),
     Stage("lift_piece_meshes", "mesh inputs of shared layer pieces become constants", "the frame is split",
           lambda f: f.split, _lift_piece_meshes),
+    Stage("whole_gradients", "the tail takes a layer output's gradient whole; the layer's run supplies its sum",
+          "the frame is split", lambda f: f.split, _whole_gradients),
     Stage("inner", "the inner compiler, per piece or whole", "always", lambda f: True, _inner),
     Stage("layer_runs", "consecutive compiled layers run as one LayerRun", "the frame is split",
           lambda f: f.split, _layer_runs),

@@ -30,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from ..graph_utils import node_value
+from ..graph_utils import getitem_users, node_value
 from ..passes import PassResult
+from ..passes.hoist_tangent_reductions import reductions_of
 from .plan import digest
 from .runs import chain_layer_runs, find_layer_runs, runs_of
 from .runtime import CompiledLayer, Refusal, Refused, compile_with_metadata, compiled_layer, subclasses_crossing
 from .split import META_PIECE, PieceMeta, pieces_of
 from .unwrap import Unwrap, unwrap_of
+from .whole_gradients import convert_unheld, hoisted_keys, unheld_whole_gradients, whole_gradient_of
 
 if TYPE_CHECKING:
     from ..compiler.inner import AotGraph, CompileOne
@@ -103,7 +105,7 @@ class _PieceModule(torch.nn.Module):
 
 
 def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileOne, name: str,
-                  as_layer: bool, cache: bool = False) -> CompiledPiece:
+                  as_layer: bool, cache: bool = False, hoist: bool = False) -> CompiledPiece:
     """Compile one piece; ``as_layer``: try to run it as a :class:`CompiledLayer`.
 
     A layer piece that DTensors cross is compiled as a graph of its own
@@ -111,27 +113,37 @@ def compile_piece(sub: fx.GraphModule, example: list[Any], compile_one: CompileO
     on: Note: [No DTensor at an automatic border]); AOTAutograd's subclass
     runtime runs it otherwise, as it runs every piece a CompiledLayer refuses.
     ``cache``: a layer is restored from, and saved to, Inductor's cache
-    (Note: [A kept compile restarts from Inductor's cache]).
+    (Note: [A kept compile restarts from Inductor's cache]).  ``hoist``: its
+    backward's tangent reductions are taken out, for its runs to supply
+    (Note: [The last layer's gradient arrives whole]); a layer refused then
+    is compiled again without (AOTAutograd's runtime gives no reduction).
     """
     from .._torch_compat import detect_fake_mode
     from ..compiler import layer_cache
+    from ..passes.hoist_tangent_reductions import hoist_tangent_reductions
 
     # Note: [What a CompiledLayer relies on]
     out_node = next(n for n in reversed(sub.graph.nodes) if n.op == "output")
     border = [*example, *(node_value(o) for o in out_node.args[0])]
     crossing = subclasses_crossing(border) if as_layer else ()
-    key = layer_cache.layer_key(sub, example, ["layer piece"]) if cache and as_layer and not crossing else None
+    hoist = hoist and as_layer and not crossing
+    caller = ["layer piece", "tangent reductions hoisted"] if hoist else ["layer piece"]
+    key = layer_cache.layer_key(sub, example, caller) if cache and as_layer and not crossing else None
     if key is not None:
         restored = layer_cache.load_layer(key, detect_fake_mode(example))
         if restored is not None:
             return CompiledPiece(name, restored[0], (), restored[0])
-    compiled, fw_metadata = compile_with_metadata(compile_one, sub, example, as_layer and not crossing)
+    compiled, fw_metadata = compile_with_metadata(compile_one, sub, example, as_layer and not crossing,
+                                                  backward_passes=(hoist_tangent_reductions,) if hoist else ())
     if not as_layer:
         return CompiledPiece(name, compiled.fn)
     if crossing:
         return CompiledPiece(name, compiled.fn, layer=Refusal(
             Refused.SUBCLASS_AT_BORDER, f"a {', '.join(crossing)} crosses its border"))
     layer = compiled_layer(compiled.aot_graphs, fw_metadata, border)
+    if hoist and not isinstance(layer, CompiledLayer) and any(
+            reductions_of(g.graph) for g in compiled.aot_graphs if g.kind == "backward"):
+        return compile_piece(sub, example, compile_one, name, as_layer, cache)
     if key is not None and isinstance(layer, CompiledLayer):
         layer_cache.save_layer(key, compiled.aot_graphs, layer, None)
     fn = layer if isinstance(layer, CompiledLayer) else compiled.fn
@@ -170,6 +182,7 @@ def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, small: Compil
     """
     by_key: dict[tuple, CompiledPiece] = {}
     reports: list[PieceReport] = []
+    hoisted = hoisted_keys(outer)  # Note: [The last layer's gradient arrives whole]
     for call in pieces_of(outer):
         meta: PieceMeta = call.meta[META_PIECE]
         target = str(call.target)
@@ -182,7 +195,8 @@ def compile_pieces(outer: fx.GraphModule, compile_one: CompileOne, small: Compil
             else:
                 example = [node_value(a) for a in call.args]
                 one = small if small is not None and meta.key is None and skips_inductor(sub) else compile_one
-                compiled = compile_piece(sub, example, one, target, meta.key is not None, cache and one is compile_one)
+                compiled = compile_piece(sub, example, one, target, meta.key is not None, cache and one is compile_one,
+                                         hoist=meta.key in hoisted)
             if meta.key is not None:
                 by_key[meta.key] = compiled
         n_nodes = sum(1 for n in sub.graph.nodes if n.op not in ("placeholder", "output"))
@@ -208,8 +222,18 @@ def layer_runs(outer: fx.GraphModule) -> PassResult:
             raise AssertionError(f"{call.target} does not run as a CompiledLayer")
         return found
 
-    runs = find_layer_runs(outer, lambda n: isinstance(_layer_of(outer, n), CompiledLayer))
-    return chain_layer_runs(outer, runs, layer)
+    def is_layer(call: fx.Node) -> bool:
+        return isinstance(_layer_of(outer, call), CompiledLayer)
+
+    def takes_whole(call: fx.Node) -> bool:
+        return any(whole_gradient_of(o) is not None for o in getitem_users(call).values())
+
+    # Note: [The last layer's gradient arrives whole]: a layer that runs no
+    # LayerRun gets its gradient divided by the outer graph instead
+    converted = convert_unheld(outer, unheld_whole_gradients(outer, is_layer))
+    runs = find_layer_runs(outer, is_layer, alone=takes_whole)
+    chained = chain_layer_runs(outer, runs, layer)
+    return PassResult.of(outer, [*converted.changed, *chained.changed])
 
 
 def with_runs(reports: Sequence[PieceReport], outer: fx.GraphModule) -> list[PieceReport]:

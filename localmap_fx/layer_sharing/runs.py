@@ -15,31 +15,40 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..graph_utils import getitem_users
 from ..passes import PassResult
 from .runtime import CompiledLayer, LayerRun, RunStep, Source
+from .whole_gradients import whole_gradient_of
 
 __all__ = ["find_layer_runs", "chain_layer_runs", "runs_of"]
 
 
-def find_layer_runs(outer: fx.GraphModule, is_layer: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
+def find_layer_runs(outer: fx.GraphModule, is_layer: Callable[[fx.Node], bool],
+                    alone: Callable[[fx.Node], bool] = lambda call: False) -> list[list[fx.Node]]:
     """Maximal runs (two or more) of consecutive piece calls that ``is_layer`` accepts.
 
-    Only ``getitem`` nodes of a run's calls may sit between them.
+    Only ``getitem`` nodes of a run's calls may sit between them.  A call
+    ``alone`` accepts is a run even by itself (an output whose gradient
+    arrives whole needs its run: Note: [The last layer's gradient arrives
+    whole] in :mod:`.whole_gradients`).
     """
 
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
+
+    def close() -> None:
+        if len(current) >= 2 or (current and alone(current[0])):
+            runs.append(list(current))
+        current.clear()
+
     for n in outer.graph.nodes:
         if n.op == "call_module" and is_layer(n):
             current.append(n)
             continue
         if n.op == "call_function" and n.target is operator.getitem and current and n.args[0] in current:
             continue
-        if len(current) >= 2:
-            runs.append(current)
-        current = []
-    if len(current) >= 2:
-        runs.append(current)
+        close()
+    close()
     return runs
 
 
@@ -77,7 +86,9 @@ def chain_layer_runs(outer: fx.GraphModule, runs: Sequence[Sequence[fx.Node]],
                         index[a] = len(inputs)
                         inputs.append(a)
                     srcs.append(("in", index[a]))
-            steps.append(RunStep(str(call.target), layer_of(call), tuple(srcs)))
+            whole = tuple((k, w) for k, o in sorted(getitem_users(call).items())
+                          if (w := whole_gradient_of(o)) is not None)
+            steps.append(RunStep(str(call.target), layer_of(call), tuple(srcs), whole))
             for u in call.users:
                 if u.op != "call_function" or u.target is not operator.getitem:
                     raise AssertionError(f"layer call {call.name} is used by {u.format_node()}")

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from ..compiler.inner import AotGraph, Compiled, CompileOne
+    from .whole_gradients import WholeGradient
 
 __all__ = ["CompiledLayer", "compiled_layer", "compile_with_metadata", "Refusal", "Refused", "LayerRun", "RunStep"]
 
@@ -269,17 +270,42 @@ class RunStep:
     piece: str
     layer: CompiledLayer = dataclasses.field(compare=False, repr=False)
     args: tuple[Source, ...]
-
-    def __post_init__(self) -> None:
-        if self.layer.reductions:
-            # a run hands a layer its tangents only; the DTensor border computes reductions
-            raise ValueError(f"layer {self.piece}: its backward reads reduced tangents, which a run does not give")
+    # (output, how) for each output whose gradient arrives whole (Note: [The
+    # last layer's gradient arrives whole] in .whole_gradients)
+    whole: tuple[tuple[int, WholeGradient], ...] = ()
 
     def text(self) -> str:
         def src(s: Source) -> str:
             return f"in{s[1]}" if s[0] == "in" else f"{s[1]}.{s[2]}"
 
-        return f"{self.piece}({', '.join(src(a) for a in self.args)})"
+        whole = "".join(f" [output {k} {w.text()}]" for k, w in self.whole)
+        return f"{self.piece}({', '.join(src(a) for a in self.args)}){whole}"
+
+    def backward_args(self, tangents: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The layer's tangents, then the reductions taken out of its backward.
+
+        A reduction of a tangent that arrived whole over its group is that
+        tangent (the sum was taken before it arrived), and the tangent's
+        other uses read its Partial form; any other reduction is the
+        all_reduce the graph would have run (Note: [The last layer's
+        gradient arrives whole]).
+        """
+        layer = self.layer
+        if not self.whole:
+            return tangents + [r.reduce(tangents[r.tangent]) for r in layer.reductions]
+        whole = dict(self.whole)
+        at = {i: pos for pos, i in enumerate(layer.differentiable)}
+        reduced = []
+        for r in layer.reductions:
+            w = whole.get(layer.differentiable[r.tangent])
+            taken = w is not None and r.reduce_op == "sum" and r.group_name == w.group_name
+            reduced.append(r.viewed(tangents[r.tangent]) if taken else None)
+        parts = list(tangents)
+        for i, w in self.whole:
+            if i in at:
+                parts[at[i]] = w.partial(tangents[at[i]])
+        return parts + [r.reduce(parts[r.tangent]) if got is None else got
+                        for r, got in zip(layer.reductions, reduced)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +405,7 @@ class _RunFunction(torch.autograd.Function):
                                                               layer.tangent_layouts, layer.tangent_types)
             ]
             out_grads[j] = []
-            arg_grads = layer.backward(step_saved + tangents)
+            arg_grads = layer.backward(step_saved + step.backward_args(tangents))
             for src, g in zip(step.args, arg_grads):
                 if g is None:
                     continue

@@ -63,6 +63,15 @@ class TangentReduction:
         view = "" if self.shape is None else f".view{list(self.shape)}"
         return f"tangent {self.tangent}{view}: all_reduce({self.reduce_op}) over group {self.group_name}"
 
+    def viewed(self, tangent: torch.Tensor) -> torch.Tensor:
+        """The tangent as the graph viewed it before the reduction."""
+        return tangent if self.shape is None else tangent.view(self.shape)
+
+    def reduce(self, tangent: torch.Tensor) -> torch.Tensor:
+        """What the graph computed here: the same functional all_reduce, then waited (the same values)."""
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_reduce(self.viewed(tangent), self.reduce_op, self.group_name))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Found:

@@ -24,10 +24,12 @@ import localmap_fx
 from localmap_fx.compiler.inner import AotGraph
 from localmap_fx.layer_sharing.runs import chain_layer_runs as _chain_layer_runs
 from localmap_fx.layer_sharing.runs import find_layer_runs
-from localmap_fx.layer_sharing.runtime import CompiledLayer, LayerRun, Refusal, Refused, compiled_layer
+from localmap_fx.layer_sharing.runtime import CompiledLayer, LayerRun, Refusal, Refused, RunStep, compiled_layer
+from localmap_fx.layer_sharing.whole_gradients import WholeGradient
 from localmap_fx.passes import apply
+from localmap_fx.passes.hoist_tangent_reductions import TangentReduction
 
-from helpers import mesh_1d
+from helpers import mesh_1d, waiting_collectives
 
 
 def chain_layer_runs(outer, runs, layer_of):
@@ -189,6 +191,10 @@ def test_runs_stop_at_a_piece_that_is_not_a_layer():
     runs = find_layer_runs(outer, lambda n: n.target != "piece_2")
     assert [[c.target for c in r] for r in runs] == [["piece_0", "piece_1"], ["piece_3", "piece_4"]]
     assert find_layer_runs(outer, lambda n: n.target == "piece_0") == []
+    # a layer whose output's gradient arrives whole is a run by itself
+    # (Note: [The last layer's gradient arrives whole])
+    alone = find_layer_runs(outer, lambda n: n.target in ("piece_0", "piece_2"), alone=lambda n: n.target == "piece_2")
+    assert [[c.target for c in r] for r in alone] == [["piece_2"]]
 
 
 def test_a_run_checks_saved_versions_and_keeps_them_for_retain_graph():
@@ -449,15 +455,59 @@ def test_auto_shares_layers_that_dtensors_cross_behind_the_lean_border(tmp_path)
     assert pieces["shared"] is True
     assert {r["runtime"] for r in pieces["rows"] if r["calls"] > 1} == {"aot: a DTensor crosses its border"}
 
-def test_a_layer_whose_backward_reads_reduced_tangents_is_no_step_of_a_run():
-    """A run hands each layer its tangents only; a layer compiled with its
-    tangent's all_reduce taken out (a lean border's variant) would be called
-    one value short, so a run refuses it when it is built."""
-    import dataclasses
+def _reducing_layer(n: int, seen: list) -> CompiledLayer:
+    """y = x * w written as a partitioned pair whose backward had its
+    tangent's all_reduce taken out: bw(x, w, g, reduced_g) -> (g, reduced_g * x);
+    ``seen`` records what each backward call received."""
 
-    from localmap_fx.layer_sharing.runtime import RunStep
-    from localmap_fx.passes.hoist_tangent_reductions import TangentReduction
+    def fw(args):
+        x, w = args
+        return [x * w, x, w]
 
-    layer = dataclasses.replace(_scale_layer(4), reductions=(TangentReduction(0, "sum", "0", None),))
-    with pytest.raises(ValueError, match="reduced tangents"):
-        RunStep("layer", layer, (("in", 0),))
+    def bw(args):
+        x, w, g, reduced = args
+        seen.append((g.clone(), reduced.clone()))
+        return [g, reduced * x]
+
+    return CompiledLayer(fw, bw, 1, (((n,), (1,)),), ((torch.float32, CPU),),
+                         reductions=(TangentReduction(0, "sum", mesh_1d().get_group(0).group_name, None),))
+
+
+def test_a_run_supplies_the_reductions_taken_out_of_a_layers_backward():
+    """Note: [The last layer's gradient arrives whole]: a step computes the
+    all_reduce the graph would have (the fake group returns its input); a step
+    whose output's gradient arrives whole over the reduction's group hands
+    that gradient as the reduced value, its Partial form (g / n) as the
+    tangent, and issues no collective."""
+    group = mesh_1d().get_group(0)
+    g = torch.arange(4.0) + 1
+    seen: list = []
+    layer = _reducing_layer(4, seen)
+    for whole, collectives, tangent, reduced in [
+        ((), ["all_reduce.default"], g, g),
+        (((0, WholeGradient(group.group_name, group.size())),), [], g / group.size(), g),
+        # another group's sum is not the one that arrived: divided, then reduced
+        (((0, WholeGradient("another", 3)),), ["all_reduce.default"], g / 3, g / 3),
+    ]:
+        step = RunStep("layer", layer, (("in", 0), ("in", 1)), whole)
+        with waiting_collectives() as issued:
+            args = step.backward_args([g])
+        assert issued == collectives
+        torch.testing.assert_close(args[0], tangent, rtol=0, atol=0)
+        torch.testing.assert_close(args[1], reduced, rtol=0, atol=0)
+
+
+def test_a_run_of_one_layer_whose_gradient_arrives_whole_runs_its_backward_once():
+    group = mesh_1d().get_group(0)
+    seen: list = []
+    layer = _reducing_layer(4, seen)
+    x = torch.arange(4.0, requires_grad=True)
+    w = torch.full((4,), 2.0, requires_grad=True)
+    run = LayerRun((RunStep("layer", layer, (("in", 0), ("in", 1)),
+                            ((0, WholeGradient(group.group_name, group.size())),)),), 2, ((0, 0),))
+    (y,) = run(x, w)
+    y.backward(torch.ones(4))
+    (got,) = seen
+    assert torch.equal(got[0], torch.full((4,), 1.0 / group.size())) and torch.equal(got[1], torch.ones(4))
+    assert torch.equal(x.grad, torch.full((4,), 1.0 / group.size()))
+    assert torch.equal(w.grad, x.detach())

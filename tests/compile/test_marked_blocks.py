@@ -126,11 +126,9 @@ def _tree(loss, model, x):
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_fake_pg_marked_equals_the_unmarked_stack_shared(inner):
-    # On the fake group a collective returns its input, so a split frame is not
-    # eager there (the plain borders' Replicate -> Partial gradient division is
-    # undone by no all_reduce; share_layers=True unmarked differs the same way).
-    # What the fake group checks: marking gives the program found layers give.
-    # Against eager with real collectives: the gloo test below.
+    # What this checks: marking gives the program found layers give.  Both
+    # equal eager on the fake group too (tests/compile/test_whole_gradients.py),
+    # and with real collectives: the gloo test below.
     results = []
     for marked in (False, True):
         torch._dynamo.reset()

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.layer_sharing.runs",),
     ("localmap_fx.compiler.cacheable_border",),
     ("localmap_fx.compiler.dtensor_border", "localmap_fx.layer_sharing.piece_meshes"),
-    ("localmap_fx.compiler.layer_cache",),
+    ("localmap_fx.compiler.layer_cache", "localmap_fx.layer_sharing.whole_gradients"),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
