@@ -21,10 +21,14 @@ In the order the pipeline (:mod:`localmap_fx.compiler.pipeline`) uses them:
                  cost model (LayerCost, PIECE_OVERHEAD_S)
     borders.py   plain borders: Replicate DTensors cross as local tensors (a pass)
     split.py     split_layers: the outer graph of pieces (a pass), PieceMeta
+    piece_meshes.py  lift_piece_meshes: a layer piece's meshes become constants (a pass)
+    whole_gradients.py  the last layer's gradient arrives whole: the tail keeps
+                 it, the layer's run supplies its backward's reduction (a pass)
     compile.py   compile_pieces: each piece once per key -> CompiledPiece
     runtime.py   CompiledLayer (or a Refusal), LayerRun: a run of layers as
                  one autograd.Function
     runs.py      chain_layer_runs: consecutive layer calls -> one LayerRun (a pass)
+    unwrap.py    Unwrap: a piece that only unwraps DTensors, run without a compile
 
 The package's ``__init__`` imports none of them.
 """

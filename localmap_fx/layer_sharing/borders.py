@@ -145,6 +145,9 @@ def _last_layer_borders(gm: fx.GraphModule, plan: LayerPlan, seen: set[fx.Node])
         tail its own ops.  Both are the identity in forward; in backward
         from_local turns the tail's gradient into those placements (only
         Replicate / Partial targets: no collective), as the other borders do.
+        That division the layer's backward then summed back, until the stage
+        after the split let the gradient arrive whole (Note: [The last
+        layer's gradient arrives whole] in :mod:`.whole_gradients`).
     """
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
