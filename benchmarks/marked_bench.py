@@ -48,7 +48,7 @@ def build(mesh, column: str, n: int, batch: int, d: int, hidden: int):
     if column != "marked":
         from .depth_bench import build as depth_build
 
-        return depth_build(mesh, "module", column, n, batch, d, hidden)
+        return depth_build(mesh, "module", column, n, batch=batch, d=d, hidden=hidden)
     from localmap_fx.testing.models import TPStack, tp_stack_input
 
     model = TPStack(mesh, n, d=d, hidden=hidden, marked=True)
