@@ -88,7 +88,9 @@ def storage_key(t: Any) -> object | None:
 
 def mesh_key(mesh: Any) -> tuple:
     """Equal for meshes over the same ranks, dims and process groups (Dynamo's
-    fake DTensors may hold different DeviceMesh objects for one mesh)."""
+    fake DTensors may hold different DeviceMesh objects for one mesh).  For
+    one process; a cache key that a new process must compute again uses
+    :func:`localmap_fx.compiler.cache_keys.portable_mesh_key`."""
     # made once per mesh object: structural keys read it for every DTensor
     # value of a graph (about 0.2 ms a call, most of the layer search of a
     # deep marked stack), and nothing it reads changes after a mesh is made

@@ -115,7 +115,7 @@ __all__ = [
     "lift_meshes",
     "mesh_constant",
     "mesh_inputs",
-    "mesh_key",
+    "portable_mesh_key",
     "without_meshes",
 ]
 
@@ -129,9 +129,10 @@ KEY_VERSION = "2"
 _MESHES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def mesh_key(mesh: Any) -> str | None:
+def portable_mesh_key(mesh: Any) -> str | None:
     """A process-independent description of ``mesh`` as this rank sees it,
-    None if it has no process groups.
+    None if it has no process groups.  Not :func:`localmap_fx.analysis.mesh_key`,
+    a tuple for structural keys within one process (no coordinate).
 
     Two meshes with one key use the same ranks, dimension names and process
     groups, and this process has the same coordinate in both, so tracing
@@ -146,15 +147,15 @@ def mesh_key(mesh: Any) -> str | None:
 
 
 def keep_mesh(mesh: Any) -> str | None:
-    """``mesh``'s key (:func:`mesh_key`), registered for :func:`mesh_constant`; None if it has none."""
-    key = mesh_key(mesh)
+    """``mesh``'s key (:func:`portable_mesh_key`), registered for :func:`mesh_constant`; None if it has none."""
+    key = portable_mesh_key(mesh)
     if key is not None:
         _MESHES[key] = mesh
     return key
 
 
 def mesh_constant(key: str) -> Any:
-    """The mesh of ``key`` (:func:`mesh_key`); runs only while AOTAutograd traces."""
+    """The mesh of ``key`` (:func:`portable_mesh_key`); runs only while AOTAutograd traces."""
     mesh = _MESHES.get(key)
     if mesh is None:
         raise RuntimeError(f"localmap_fx: no live DeviceMesh has the description {key!r}")
@@ -212,7 +213,7 @@ def mesh_inputs(placeholders: Sequence[fx.Node], values: Sequence[Any]) -> tuple
     for i, (node, value) in enumerate(zip(placeholders, values)):
         if not isinstance(value, DeviceMesh):
             continue
-        key = mesh_key(value)
+        key = portable_mesh_key(value)
         # a mesh returned by the graph must stay the object Dynamo passes
         if key is None or any(u.op == "output" for u in node.users):
             return ()

@@ -906,7 +906,7 @@ def _variant_about(inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: 
     def slot(s: _Slot) -> list | None:
         if s.spec is None:
             return None
-        mesh, placements = cache_keys.mesh_key(s.spec.mesh), encode_placements(s.spec.placements)
+        mesh, placements = cache_keys.portable_mesh_key(s.spec.mesh), encode_placements(s.spec.placements)
         if mesh is None or placements is None:
             raise ValueError
         meta = s.spec.tensor_meta

@@ -26,7 +26,7 @@ Note: [A kept compile restarts from Inductor's cache]
     and of every module under it, non-tensor attributes, its inputs'
     layouts, the caller's description of what the code does not say (the
     DTensor specs the border's closures carry: meshes by
-    :func:`~localmap_fx.compiler.cache_keys.mesh_key`, so the rank's
+    :func:`~localmap_fx.compiler.cache_keys.portable_mesh_key`, so the rank's
     coordinate too, Note: [A trace belongs to its rank]), Inductor's and
     AOTAutograd's configuration, grad and autocast modes, deterministic
     algorithms, the torch version and the source of this package.  A graph

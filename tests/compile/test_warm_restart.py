@@ -314,7 +314,7 @@ def test_mesh_inputs_leave_a_copy_of_dynamos_graph():
     t = torch.ones(2)
 
     lifted, inputs, found = cache_keys.lift_meshes(gm, [t, mesh])
-    assert found == (cache_keys.MeshInput(1, "mesh", cache_keys.mesh_key(mesh)),)
+    assert found == (cache_keys.MeshInput(1, "mesh", cache_keys.portable_mesh_key(mesh)),)
     assert [n.name for n in lifted.graph.find_nodes(op="placeholder")] == ["x"]
     assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == ["x", "mesh"]
     assert len(inputs) == 1 and inputs[0] is t
