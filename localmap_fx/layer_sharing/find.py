@@ -177,7 +177,7 @@ def find_layer_spans(gm: fx.GraphModule) -> LayerPlan:
     """Find the repeated layers of ``gm`` (read-only).  See Note: [Layer spans and their key]."""
     # layers are runs of the root graph; regions inside a nested subgraph
     # (a checkpointed block) travel with the higher-order op that holds them
-    regions = [r for r in find_regions(gm) if not r.scope]
+    regions = [r for r in find_regions(gm, bodies=False) if not r.scope]
     nodes = compute_nodes(gm)
     pos = {n: i for i, n in enumerate(nodes)}
     marked = _marked_starts(nodes)

@@ -96,7 +96,7 @@ def find_shared_calls(gm: fx.GraphModule, nested_only: bool = False) -> list[Sha
     """Region bodies that are one Dynamo-made ``invoke_subgraph`` (any nesting
     level; only inside nested subgraphs with ``nested_only``)."""
     out = []
-    for region in find_regions(gm):
+    for region in find_regions(gm, bodies=False):
         call = shared_body_call(region)
         if call is not None and (region.scope or not nested_only):
             out.append(SharedCall(region.owner or gm, call))

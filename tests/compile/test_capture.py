@@ -85,6 +85,15 @@ class region_body(torch.nn.Module):
         out: "f32[8, 8]" = torch.relu(matmul)
         return (out,)
 """)
+        # Note: [Bodies are built on demand]: without bodies, the same regions
+        # (spec, nodes, inputs, outputs), and asking one for its body says how to get it
+        bare = localmap_fx.find_regions(captured, bodies=False)
+        self.assertEqual([(r.spec, r.node, r.body_nodes, [(i.kind, i.index, i.node) for i in r.inputs], r.outputs)
+                          for r in bare],
+                         [(r.spec, r.node, r.body_nodes, [(i.kind, i.index, i.node) for i in r.inputs], r.outputs)
+                          for r in regions])
+        with self.assertRaisesRegex(ValueError, r"found without its body .*bodies=True"):
+            _ = bare[0].body_graph
         self.assertExpectedInline(_aot_collectives(rec), """\
 forward: all_reduce.default
 backward: -
