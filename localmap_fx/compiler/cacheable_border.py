@@ -24,7 +24,7 @@ Note: [A border torch's caches can serve]
       gradient in other placements than traced is redistributed, as
       AOTAutograd does, then unwrapped);
     * the placements each input's gradient gets are what the joint trace
-      recorded (``_Enter``'s backward).  A cache hit traces nothing, so the
+      recorded (``Enter``'s backward).  A cache hit traces nothing, so the
       border writes them beside torch's caches (``<inductor cache
       dir>/localmap_fx/border_grads/<key>.json``, keyed by the code of the
       wrapper and of every module under it (a checkpointed body lives in
@@ -59,21 +59,15 @@ from torch.distributed.tensor import DTensor
 from ..graph_utils import calls_invoke_subgraph
 from ..layer_sharing.runtime import Refusal
 from . import cache_keys
+from .border_wrapper import Calls, Enter, Slot, default_tangent, wrapper_graph
 from .conversions import Conversion, plan_conversion
 from .dtensor_border import (
     DTensorBorder,
     Prepared,
-    _Calls,
-    _chained,
-    _default_tangent,
-    _eager_grads,
-    _Enter,
     _input_checks,
     _new_dtensor,
     _respec,
-    _Slot,
     _wide_value,
-    _wrapper,
     check_grad,
     check_inputs,
     dtensor_border,
@@ -81,6 +75,7 @@ from .dtensor_border import (
     regrad_conversions,
 )
 from .specs import decode_placements, decode_records, encode_placements, encode_records, make_spec
+from .tangent_plan import chained_outputs, eager_grads
 
 __all__ = ["BORDER_ENTER", "BORDER_LEAVE", "CacheableBorder", "border_enter", "border_for", "border_leave",
            "decode_placements", "encode_placements"]
@@ -97,16 +92,14 @@ def _version() -> str:
     """What the wrapper's named calls do, in every key that holds them: the
     key version, and the source of the code they run (an edit of it must not
     let a cache serve an artifact traced with the old one)."""
-    from . import dtensor_border
-
     parts = [KEY_VERSION] + [inspect.getsource(f) for f in (
-        border_enter, border_leave, decode_placements, dtensor_border._Enter, make_spec)]
+        border_enter, border_leave, decode_placements, Enter, make_spec)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 # --- the wrapper's named functions ---------------------------------------------------
 
-# the record lists (per input, its gradient's [spec, wide]: ``_Enter``) of the
+# the record lists (per input, its gradient's [spec, wide]: ``Enter``) of the
 # wrapper being compiled; set only while the border compiles one (one at a
 # time per process)
 _RECORDING: list[list[list]] = []
@@ -117,7 +110,7 @@ def border_enter(local: torch.Tensor, wide: torch.Tensor | None, mesh: Any, plac
     """The DTensor input ``index`` of the wrapped graph (traced by AOTAutograd only)."""
     spec = make_spec(mesh, decode_placements(placements), shape, stride, dtype)
     record = _RECORDING[-1][index] if _RECORDING else []
-    return _Enter.apply(local, wide, spec, record)
+    return Enter.apply(local, wide, spec, record)
 
 
 def border_leave(out: DTensor, placements: str) -> torch.Tensor:
@@ -176,7 +169,7 @@ def _save_grads(key: str, entries: list) -> None:
 
 
 def _load_grads(key: str, meshes: Sequence[Any]) -> list[list] | None:
-    """Per input, [spec, wide] as ``_Enter`` records it, from the file; None when absent or unreadable."""
+    """Per input, [spec, wide] as ``Enter`` records it, from the file; None when absent or unreadable."""
     try:
         with open(_grads_path(key)) as f:
             return decode_records(json.load(f), meshes)
@@ -258,7 +251,7 @@ class CacheableBorder:
         if regrad is None:
             p = self._prepared
             try:
-                wanted = _eager_grads(self._gm, p.local_inputs, p.fake_mode, p.inputs, p.outputs, arrived, p.wide)
+                wanted = eager_grads(self._gm, p.local_inputs, p.fake_mode, p.inputs, p.outputs, arrived, p.wide)
             except Exception:  # noqa: BLE001  (inside a backward: any failure keeps the traced placements)
                 # eager cannot run the graph on the fakes: the traced
                 # placements, the same values
@@ -344,7 +337,7 @@ class _Wrap(torch.autograd.Function):
         return (None, None, *out)
 
 
-class _NamedCalls(_Calls):
+class _NamedCalls(Calls):
     """The wrapper's enter and leave as calls of :func:`border_enter` and
     :func:`border_leave` whose arguments are constants (the mesh by its key)."""
 
@@ -353,7 +346,7 @@ class _NamedCalls(_Calls):
         self.mesh_keys = mesh_keys
         self.mesh_nodes: dict[int, fx.Node] = {}
 
-    def enter(self, g: fx.Graph, i: int, slot: _Slot, local: fx.Node, wide: fx.Node | None) -> fx.Node:
+    def enter(self, g: fx.Graph, i: int, slot: Slot, local: fx.Node, wide: fx.Node | None) -> fx.Node:
         mesh = slot.spec.mesh
         if id(mesh) not in self.mesh_nodes:
             self.mesh_nodes[id(mesh)] = g.call_function(cache_keys.mesh_constant, (self.mesh_keys[id(mesh)],))
@@ -377,7 +370,7 @@ def border_for(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_one: C
     p = prepare(gm, example_inputs)
     if isinstance(p, Refusal):
         return p
-    if (cacheable and "dynamo_compile_id" in gm.meta and not _chained(p.inputs, p.outputs, example_inputs)
+    if (cacheable and "dynamo_compile_id" in gm.meta and not chained_outputs(p.inputs, p.outputs, example_inputs)
             and not calls_invoke_subgraph(gm)):
         border = cacheable_border(gm, example_inputs, p, compile_one)
         if border is not None:
@@ -403,8 +396,8 @@ def cacheable_border(gm: fx.GraphModule, example_inputs: Sequence[Any], p: Prepa
         if key is None:
             return None
         mesh_keys[id(s.spec.mesh)] = key
-    tangents = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
-    wrapped = _wrapper(gm, inputs, outputs, tangents, (), wide, _NamedCalls(mesh_keys))
+    tangents = tuple(None if s.spec is None else default_tangent(s.spec.placements) for s in outputs)
+    wrapped = wrapper_graph(gm, inputs, outputs, tangents, (), wide, _NamedCalls(mesh_keys))
     key = _grads_key(wrapped, local_inputs)
     in_meshes = [s.spec.mesh if s.spec is not None else None for s in inputs]
 

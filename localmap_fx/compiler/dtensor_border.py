@@ -19,19 +19,24 @@ graph is compiled at the local level instead and run by one
     gradients rebuilt as DTensors                the compiled backward for the placements
                                                  the gradients really have
 
-What is compiled is the Dynamo graph behind a local-level wrapper (Note:
-[The border's wrapper graph]); its AOT forward and backward are kept and run
+What is compiled is the Dynamo graph behind a local-level wrapper
+(:mod:`.border_wrapper`), for the tangent placements a plan picks before the
+compile (:mod:`.tangent_plan`); its AOT forward and backward are kept and run
 as a :class:`~localmap_fx.layer_sharing.runtime.CompiledLayer` (same
 checks: no input written, no aliased output, no effect tokens or RNG state,
 static sizes).  Anything else returns a :class:`Refusal` and the graph keeps
-AOTAutograd's runtime.
+AOTAutograd's runtime.  This module compiles the variants and runs them::
+
+    border_wrapper.wrapper_graph   the graph, at the local level
+    tangent_plan.plan_tangents     which tangents to compile it for (eager runs on fakes)
+    dtensor_border.dtensor_border  compile; DTensorBorder picks a backward per arriving gradient
 
 Note: [A backward per tangent placement]
     The placements of a gradient arriving at an output are known only when
     the backward runs (in a regional TP stack: ``Partial`` from the next
     block's region, ``Replicate`` for the last block, whose gradient comes
     from the loss).  The border traces its first variant with the
-    placements AOTAutograd assumes (:func:`_default_tangent`).  A gradient
+    placements AOTAutograd assumes (:func:`default_tangent`).  A gradient
     in other placements gets a backward of its own, compiled once, at the
     first backward that sees them: the same wrapper graph, with
     ``to_local(grad_placements=<seen>)`` on that output, so the reduction
@@ -43,70 +48,6 @@ Note: [A backward per tangent placement]
     AOTAutograd does.
     A gradient is never read as a local tensor in placements it does not
     have.
-
-Note: [The border's wrapper graph]
-    Each DTensor placeholder of the Dynamo graph becomes a local placeholder
-    and a call of ``_Enter`` (an autograd.Function: forward builds the
-    DTensor with the traced spec; backward returns the gradient's local
-    tensor *as it is* and records its placements while AOTAutograd traces
-    the joint graph, so an input's gradient keeps the placements eager gives
-    it, Partial included, when its local tensor has the input's shape or
-    fits the input's wide slot (Note: [A gradient wider than its input]);
-    any other is redistributed to the input's placements as
-    ``DTensor.from_local``'s backward does); each DTensor output gets
-    ``to_local`` with the tangent placements of the variant::
-
-        before:  def forward(x: DTensor, mesh, w: DTensor): ... return (y,)   # y DTensor
-        after:   def forward(x_local, mesh, w_local):
-                     x = enter_0(x_local); w = enter_2(w_local)
-                     ... (the Dynamo graph, copied)
-                     return (y.to_local(grad_placements=T0),)
-
-Note: [The gradient a stack sends back]
-    Under regional compilation one border runs every block of a stack, and
-    the gradient reaching a block's output is the gradient of the next
-    block's input: for a Replicate-in, Replicate-out block (TP, attention)
-    it is Partial, except at the last block, whose gradient comes from the
-    loss as Replicate.  Compiling the first variant for the default
-    (Replicate) and a second at the first Partial doubled the cold compile,
-    and for the attention block the second could not be used (its forward
-    saves other values), so each block ran an eager all_reduce.  So when an
-    output feeds an input of the same spec (:func:`_chained`), the border
-    guesses that the stack sends Partial (:func:`_guess`) and plans before
-    it compiles: eager DTensor runs the graph once on the fake examples and
-    backpropagates the guess and the default (:func:`_eager_runs`; nothing
-    traced or compiled), counting the collectives each issues, forward and
-    backward, and recording the placements each input's gradient gets.  The
-    guess is compiled when it is a fixed point (the chained input's gradient
-    is Partial too: :func:`_sends`) and costs at most one collective per
-    changed output more than its forward: a default variant cannot cost
-    less than that forward, and converting Partial back to Replicate costs
-    that one all_reduce.  Otherwise the default is compiled, unless the
-    guess costs no more than it after all (:func:`_plan_tangents`).  Either
-    way one variant is compiled; the other is converted, never compiled
-    (AOTAutograd coerces a tangent to its traced placements the same way),
-    and its input gradients are redistributed to the placements eager
-    gives them (the eager run's, the plan's ``traced``), so every gradient
-    keeps eager's placements.  The counts are eager DTensor's and so the
-    joint graph's: AOTAutograd traces the same sharding decisions, and a
-    weight gathered only for a gradient is backward work in both.  The TP
-    block compiles Partial and only its last block pays (a local
-    division); the attention block's Partial backward gathers both weights
-    and reduce-scatters, so Replicate is compiled, and each block converts
-    its Partial gradient with one all_reduce.  An eager run on fakes costs
-    about a third of an AOTAutograd trace; the plan used to trace the
-    guess and read its joint graph, and for the attention block then trace
-    the default too.  Values are eager's up to the order of summation
-    (bitwise on 2 gloo ranks for the TP stack under aot_eager, where a sum
-    of two halves is exact)::
-
-        first:   compile (R), then (P) at the first inner block's backward
-        then:    trace (P), read its joint: keep it, or stop and trace (R)
-        now:     eager on fakes: forward, backward (P), backward (R); compile the winner once
-        TP:      (P): 2 collectives, forward 1, x's gradient P -> compile (P);
-                 the last block's R gradient: R -> P locally, not summed again
-        attn:    (P): 4 collectives, forward 1; (R): 1 -> compile (R);
-                 P -> R (all_reduce), wo's gradient S(0) -> P as eager
 
 Note: [The tangent's all_reduce belongs to the border]
     The TP block's backward compiled for a Partial gradient starts with its
@@ -130,26 +71,6 @@ Note: [The tangent's all_reduce belongs to the border]
         before:  bw(saved, g/2) = ... wait(all_reduce(g/2)) ...    last block: 1 collective
         after:   bw(saved, g/2, g)                                 last block: none
                  bw(saved, p, wait(all_reduce(p)))                 other blocks: 1, as before
-
-Note: [A gradient wider than its input]
-    Eager DTensor gives a Shard parameter a Partial gradient when the op that
-    reads it says so: ``o @ wo`` with ``wo`` Shard(0) and a Partial gradient
-    arriving gives ``wo.grad`` Partial, its local tensor the global shape
-    (torchtitan's attention output projection, in a whole-model graph).
-    AOTAutograd over DTensors returns that gradient as it is.  At the local
-    level the gradient of ``wo``'s local tensor must have the local shape,
-    so the border used to reduce-scatter it to Shard(0): one collective per
-    layer more than eager and upstream ``torch.compile``, and gradients in
-    other placements.  Instead each DTensor input that requires grad and is
-    smaller locally than globally gets a *wide slot*: one more placeholder
-    of the global shape (an expanded one-element tensor: nothing reads it),
-    which ``_Enter`` takes too.  A gradient whose local tensor has the
-    global shape leaves through the wide slot, and the border hands it to
-    the DTensor input with the placements it was traced with; every other
-    gradient leaves through the local slot as before::
-
-        before:  w2 = enter(w2_local)             w2.grad: reduce_scatter(P) -> S(0)
-        after:   w2 = enter(w2_local, w2_wide)    w2.grad: P (from w2_wide's), as eager
 
 Note: [The border's hot path]
     A regional stack calls one border once per block per step, so its
@@ -176,20 +97,29 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import FakeTensor, HigherOrderOperator, TorchDispatchMode, get_current_graph_task_keep_graph
-from ..graph_utils import is_collective_op
+from .._torch_compat import FakeTensor, get_current_graph_task_keep_graph
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
 from ..passes.hoist_tangent_reductions import REDUCTION, TangentReduction, hoist_tangent_reductions
+from .border_wrapper import Placements, Slot, default_tangent, wrapper_graph
 from .conversions import Conversion, plan_conversion
 from .conversions import new_dtensor as _new_dtensor
 from .specs import decode_records, encode_placements, encode_records, make_spec
+from .tangent_plan import (
+    TangentPlan,
+    chained_outputs,
+    converts_locally,
+    eager_runs,
+    guessed_tangents,
+    placements_text,
+    plan_tangents,
+)
 
 if TYPE_CHECKING:
     from .inner import AotGraph, CompileOne
@@ -212,15 +142,6 @@ class BorderRefused(enum.Enum):
     OUTPUT = "output"
 
 
-Placements = tuple  # tuple[Placement, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """One graph input or output at the border: its traced DTensor spec, or None (plain / object)."""
-
-    spec: Any  # DTensorSpec | None
-    shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -240,123 +161,7 @@ def _static(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
 
-class _Enter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, wide: torch.Tensor | None, spec: Any, record: list) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        ctx.record = record
-        ctx.spec = spec
-        ctx.local_shape = tuple(local.shape)
-        ctx.wide_shape = None if wide is None else tuple(wide.shape)
-        ctx.set_materialize_grads(False)
-        # a fresh tensor object sharing memory, as DTensor.from_local makes
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad: Any):
-        from torch.distributed.tensor import DTensor
-
-        if grad is None:
-            return None, None, None, None
-        if not isinstance(grad, DTensor):
-            raise AssertionError(f"the gradient of a DTensor input is a {type(grad).__name__}")
-        spec = ctx.spec
-        shape = tuple(grad.to_local().shape)
-        # Note: [A gradient wider than its input]: a Partial gradient of a
-        # Shard input leaves through the input's wide slot, as eager gives it
-        wide = shape != ctx.local_shape and shape == ctx.wide_shape
-        if shape != ctx.local_shape and not wide:
-            # any other gradient whose local tensor has another shape than the
-            # input's is redistributed, as DTensor.from_local's backward does
-            grad = grad.redistribute(spec.mesh, _default_tangent(spec.placements))
-        # read while AOTAutograd traces the joint graph (sizes are static)
-        # (the mesh is the input's: inside the trace it may be a fake object)
-        ctx.record[:] = [make_spec(spec.mesh, grad.placements, grad.shape, grad.stride(), grad.dtype), wide]
-        if wide:
-            return None, grad.to_local(), None, None
-        return grad.to_local(), None, None, None
-
-
-def _enter_fn(spec: Any, record: list) -> Callable:
-    def enter(local: torch.Tensor, wide: torch.Tensor | None = None):
-        return _Enter.apply(local, wide, spec, record)
-
-    return enter
-
-
-def _leave_fn(grad_placements: Placements) -> Callable:
-    def leave(out: Any):
-        return out.to_local(grad_placements=grad_placements)
-
-    return leave
-
-
-class _Calls:
-    """The wrapper's enter and leave nodes: closures over ``_Enter`` (its
-    record list per input) and ``to_local``."""
-
-    def __init__(self, records: Sequence[list] = ()) -> None:
-        self.records = records
-
-    def enter(self, g: fx.Graph, i: int, slot: _Slot, local: fx.Node, wide: fx.Node | None) -> fx.Node:
-        args = (local, wide) if wide is not None else (local,)
-        return g.call_function(_enter_fn(slot.spec, self.records[i]), args)
-
-    def leave(self, g: fx.Graph, out: fx.Node, placements: Placements) -> fx.Node:
-        return g.call_function(_leave_fn(placements), (out,))
-
-
-def _wrapper(gm: fx.GraphModule, inputs: Sequence[_Slot], outputs: Sequence[_Slot],
-             tangents: Sequence[Placements | None], records: Sequence[list],
-             wide: Sequence[int] = (), calls: _Calls | None = None) -> fx.GraphModule:
-    """The local-level graph around ``gm`` (Note: [The border's wrapper graph]);
-    ``wide``: the inputs that get a wide slot, after all others (Note: [A
-    gradient wider than its input]).  ``calls``: what enters and leaves
-    (default: ``_Enter`` with ``records`` and ``to_local``; the cacheable
-    border's named calls, Note: [A border torch's caches can serve])."""
-    g = fx.Graph()
-    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, fx.Node] = {}
-    news = []
-    for p, slot in zip(old, inputs):
-        new = g.placeholder(f"{p.name}_local" if slot.spec is not None else p.name)
-        new.meta = dict(p.meta)
-        news.append(new)
-    wides = {i: g.placeholder(f"{old[i].name}_wide") for i in wide}
-    calls = calls if calls is not None else _Calls(records)
-    for i, (p, slot, new) in enumerate(zip(old, inputs, news)):
-        if slot.spec is not None:
-            val = p.meta.get("example_value", p.meta.get("val"))
-            local = val._local_tensor if val is not None else None
-            for k in ("val", "example_value"):
-                if k in new.meta:
-                    new.meta[k] = local
-            dt = calls.enter(g, i, slot, new, wides.get(i))
-            dt.meta = dict(p.meta)
-            env[p] = dt
-        else:
-            env[p] = new
-    copied = g.graph_copy(gm.graph, env, return_output_node=True)
-    if not isinstance(copied, tuple):
-        raise AssertionError("graph_copy returned no output node")
-    new_outs, _ = copied
-    results = []
-    for a, slot, t in zip(new_outs, outputs, tangents):
-        if slot.spec is None or t is None:
-            results.append(a)
-            continue
-        left = calls.leave(g, a, t)
-        val = a.meta.get("example_value", a.meta.get("val"))
-        if val is not None:
-            left.meta["val"] = val._local_tensor
-        results.append(left)
-    g.output(tuple(results))
-    wrapped = fx.GraphModule(gm, g)
-    return wrapped
-
-
-def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list[_Slot], list[_Slot]] | Refusal:
+def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list[Slot], list[Slot]] | Refusal:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
@@ -368,7 +173,7 @@ def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list
     real = [m for v in example_inputs for m in (v.device_mesh if isinstance(v, DTensor) else v,)
             if isinstance(m, DeviceMesh)]
 
-    def slot(v: Any, where: str) -> _Slot | Refusal:
+    def slot(v: Any, where: str) -> Slot | Refusal:
         if isinstance(v, DTensor):
             local = v._local_tensor
             if is_traceable_wrapper_subclass(local):
@@ -379,14 +184,14 @@ def _slots(example_inputs: Sequence[Any], out_vals: Sequence[Any]) -> tuple[list
                 (m for m in real if m == v.device_mesh), None)
             if mesh is None:
                 return Refusal(BorderRefused.MESH, f"{where}: its mesh is no mesh among the inputs")
-            return _Slot(make_spec(mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
+            return Slot(make_spec(mesh, v.placements, v.shape, v.stride(), v.dtype), tuple(v.shape))
         if is_traceable_wrapper_subclass(v):
             return Refusal(BorderRefused.SUBCLASS, f"{where}: a {type(v).__name__}")
         if isinstance(v, torch.Tensor) and not _static(v):
             return Refusal(BorderRefused.SYMBOLIC, f"{where}: a tensor with symbolic sizes")
         if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return Refusal(BorderRefused.SYMBOLIC, f"{where}: a symbolic scalar")
-        return _Slot(None)
+        return Slot(None)
 
     ins, outs = [], []
     for i, v in enumerate(example_inputs):
@@ -436,214 +241,30 @@ def _shared_storage(in_vals: Sequence[Any], out_vals: Sequence[Any]) -> str | No
     return None
 
 
-def _default_tangent(placements: Placements) -> Placements:
-    """What the first variant assumes an output's gradient is in.
-
-    AOTAutograd's and ``to_local``'s default: the output's placements with
-    Partial as Replicate (``loss.backward()`` on a Partial loss sends a
-    Replicate gradient).
-    """
-    from torch.distributed.tensor import Replicate
-
-    return tuple(Replicate() if p.is_partial() else p for p in placements)
-
-
-def _converts_locally(arrived: Placements, traced: Placements) -> bool:
-    """Whether a gradient in ``arrived`` becomes ``traced`` without communication
-    (per mesh dimension: the same, or Replicate to Partial or to Shard)."""
-    return len(arrived) == len(traced) and all(
-        a == t or (a.is_replicate() and (t.is_partial() or t.is_shard())) for a, t in zip(arrived, traced))
-
-
-def _chained(inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any]) -> dict[int, int]:
-    """Output -> the input it would feed if the graph were called on its own
-    result (a block of a stack): same placements, shape and dtype, and the
-    input requires grad; only outputs with one such input."""
-    out: dict[int, int] = {}
-    for o, so in enumerate(outputs):
-        if so.spec is None:
-            continue
-        same = [i for i, (si, v) in enumerate(zip(inputs, example_inputs))
-                if si.spec is not None and v.requires_grad and si.shape == so.shape
-                and si.spec.placements == so.spec.placements
-                and si.spec.tensor_meta.dtype == so.spec.tensor_meta.dtype]
-        if len(same) == 1:
-            out[o] = same[0]
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _TangentPlan:
-    """Which tangents the first variant is compiled for, and what the border
-    knows in advance of others (Note: [The gradient a stack sends back])."""
-
-    first: tuple  # per output: placements (None: plain output)
-    # other tangents traced: (tangents, per input the placements of its
-    # gradient for them, None for no gradient)
-    traced: tuple[tuple[tuple, tuple], ...] = ()
-    # tangents known to cost more compiled than converted: never compiled
-    converted: tuple = ()
-    # why a stack's block was not planned (its guess not judged), if it was not
-    unplanned: str = ""
-
-    def text(self) -> str:
-        out = f"compile {_placements_text(self.first)}"
-        out += "".join(f"; convert {_placements_text(t)}" for t in self.converted)
-        return out + (f" (not planned: {self.unplanned})" if self.unplanned else "")
-
-
-def _guess(default: tuple, chained: dict[int, int]) -> tuple:
-    """The tangents a stack's inner blocks are guessed to receive: a chained
-    output's Replicate as Partial, the gradient a Replicate input gets where
-    per-shard code reads it (its local gradients are partial sums)."""
-    from torch.distributed.tensor import Partial
-
-    return tuple(tuple(Partial() if p.is_replicate() else p for p in d) if o in chained and d is not None else d
-                 for o, d in enumerate(default))
-
-
-def _grads(records: Sequence[Sequence[Any]]) -> tuple:
-    """Per input, the placements its gradient got in a trace (None: no gradient)."""
-    return tuple(tuple(r[0].placements) if r else None for r in records)
-
-
-def _sends(records: Sequence[Sequence[Any]], tangents: tuple, chained: dict[int, int], default: tuple) -> bool:
-    """Whether each chained input's gradient has the placements ``tangents``
-    gives its output where they differ from the default (a stack of such
-    blocks then sends each block what it was compiled for)."""
-    return all(records[i] and not records[i][1] and tuple(records[i][0].placements) == tangents[o]
-               for o, i in chained.items() if tangents[o] != default[o])
-
-
-class _CountCollectives(TorchDispatchMode):
-    """Counts the functional collectives that move data, those DTensor's own
-    dispatch issues included: declining DTensor operands, the mode sees the
-    local ops DTensor then runs.  A higher-order op (an ``invoke_subgraph``
-    call) runs with the mode set aside: its body's collectives are its own
-    graph's, as they were not in the graph's joint either."""
-
-    supports_higher_order_operators = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if isinstance(func, HigherOrderOperator):
-            return func(*args, **(kwargs or {}))
-        if is_collective_op(func):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-@dataclasses.dataclass(frozen=True)
-class _EagerRun:
-    """Eager DTensor run on the fake examples, its backward for one set of
-    tangents (Note: [The gradient a stack sends back])."""
-
-    records: tuple[tuple, ...]  # per input, what ``_Enter`` recorded: (gradient spec, wide) or ()
-    collectives: int  # forward and backward
-    forward: int  # of them, those the forward issued
-
-    @property
-    def grads(self) -> tuple:
-        """Per input, the placements of its gradient (None: no gradient)."""
-        return _grads(self.records)
-
-
-def _zero_gradient(out: Any, tangents: Placements | None) -> torch.Tensor:
-    """A zero gradient for ``out`` in ``tangents`` (its local tensor's shape,
-    as ``to_local(grad_placements=...)``'s backward builds it)."""
-    if tangents is None or not isinstance(out, DTensor):
-        return torch.zeros_like(out)
-    return DTensor.from_local(torch.zeros_like(out._local_tensor), out.device_mesh, tangents,
-                              shape=out.shape, stride=out.stride(), run_check=False)
-
-
-def _eager_runs(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
-                outputs: Sequence[_Slot], tangent_sets: Sequence[tuple], wide: Sequence[int]) -> dict[tuple, _EagerRun]:
-    """Per set of tangents, what eager DTensor does with ``gm`` on the fake
-    examples: one forward, then one backward per set (nothing traced, nothing
-    compiled).  Raises what eager raises when it cannot run the graph on the
-    fakes (say, an in-place write to a leaf that AOTAutograd would copy first)."""
-    records: list[list] = [[] for _ in inputs]
-    wrapped = _wrapper(gm, inputs, outputs, tuple(None for _ in outputs), records, wide)
-    count = _CountCollectives()
-    runs: dict[tuple, _EagerRun] = {}
-    with fake_mode, count, torch.enable_grad():
-        outs = wrapped(*local_inputs)
-        forward = count.n
-        diff = [t for t in local_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-        for k, tangents in enumerate(tangent_sets):
-            pairs = [(o, _zero_gradient(o, t)) for o, t in zip(outs, tangents)
-                     if isinstance(o, torch.Tensor) and o.requires_grad]
-            for r in records:
-                r.clear()
-            before = count.n
-            torch.autograd.grad([o for o, _ in pairs], diff, [g for _, g in pairs], allow_unused=True,
-                                retain_graph=k + 1 < len(tangent_sets))
-            runs[tuple(tangents)] = _EagerRun(tuple(tuple(r) for r in records), forward + count.n - before,
-                                              forward)
-    return runs
-
-
-def _eager_grads(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[_Slot],
-                 outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
-    """Per input, the placements eager DTensor gives its gradient for
-    ``tangents`` (None: no gradient); raises as :func:`_eager_runs` does."""
-    return _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (tangents,), wide)[tuple(tangents)].grads
-
-
-def _plan_tangents(default: tuple, guess: tuple, chained: dict[int, int], runs: dict[tuple, _EagerRun]) -> _TangentPlan:
-    """The :class:`_TangentPlan` of a stack's block from eager runs for the
-    default and the guessed tangents (Note: [The gradient a stack sends back]).
-
-    The guess is compiled when it is a fixed point (:func:`_sends`) and costs
-    at most one collective per changed output more than the forward (no
-    default could cost less than the forward), or when the default's
-    gradient would convert to it and it costs no more than the default;
-    otherwise the default is compiled.  The other is converted, its input
-    gradients redistributed to eager's (``traced``); a guess costing more
-    than the default plus its conversion is never compiled (``converted``).
-    """
-    g, d = runs.get(guess), runs.get(default)
-    if g is None or d is None:
-        return _TangentPlan(default)
-    changed = sum(a != b for a, b in zip(guess, default))
-    sent = _sends(g.records, guess, chained, default)
-    if sent and (g.collectives <= g.forward + changed
-                 or _sends(d.records, guess, chained, default) and g.collectives <= d.collectives + changed):
-        return _TangentPlan(guess, traced=((default, d.grads),))
-    costs_more = sent and g.collectives > d.collectives + changed
-    return _TangentPlan(default, traced=((guess, g.grads),), converted=(guess,) if costs_more else ())
-
-
 def _compile_planned(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
-                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], example_inputs: Sequence[Any],
-                     wide: Sequence[int], cache: bool = False) -> tuple[_Variant | Refusal, _TangentPlan]:
-    """The :class:`_TangentPlan` and its first variant, compiled once (Note:
+                     inputs: Sequence[Slot], outputs: Sequence[Slot], example_inputs: Sequence[Any],
+                     wide: Sequence[int], cache: bool = False) -> tuple[_Variant | Refusal, TangentPlan]:
+    """The :class:`TangentPlan` and its first variant, compiled once (Note:
     [The gradient a stack sends back]).
 
     An output that feeds an input of the same spec in the next call (a
     stack's block) may be compiled for the guessed tangents
-    (:func:`_guess`); eager DTensor run on the fakes for both
-    (:func:`_eager_runs`) says which (:func:`_plan_tangents`).
+    (:func:`guessed_tangents`); eager DTensor run on the fakes for both
+    (:func:`eager_runs`) says which (:func:`plan_tangents`).
     """
-    default = tuple(None if s.spec is None else _default_tangent(s.spec.placements) for s in outputs)
-    chained = _chained(inputs, outputs, example_inputs)
-    guess = _guess(default, chained)
+    default = tuple(None if s.spec is None else default_tangent(s.spec.placements) for s in outputs)
+    chained = chained_outputs(inputs, outputs, example_inputs)
+    guess = guessed_tangents(default, chained)
     if guess == default:
-        plan = _TangentPlan(default)
+        plan = TangentPlan(default)
     else:
         try:
-            runs = _eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (guess, default), wide)
+            runs = eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (guess, default), wide)
         except Exception as e:  # noqa: BLE001  (any failure: the default, always correct, and the reason shown)
-            plan = _TangentPlan(default, unplanned=f"eager DTensor could not run the graph on fake values "
+            plan = TangentPlan(default, unplanned=f"eager DTensor could not run the graph on fake values "
                                                    f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})")
         else:
-            plan = _plan_tangents(default, guess, chained, runs)
+            plan = plan_tangents(default, guess, chained, runs)
     # a stack's last block sends what the default assumes: its reduction is
     # the border's to skip (Note: [The tangent's all_reduce belongs to the border])
     return _compile_variant(gm, local_inputs, fake_mode, compile_one, inputs, outputs, plan.first, wide,
@@ -678,7 +299,7 @@ class _Backward:
     reductions: tuple[tuple[int, int, TangentReduction, bool], ...] = ()
 
     @staticmethod
-    def of(variant: _Variant, inputs: Sequence[_Slot], wide: Sequence[int], redistribute: bool,
+    def of(variant: _Variant, inputs: Sequence[Slot], wide: Sequence[int], redistribute: bool,
            to_first: Sequence[tuple[int, Conversion]] = (), regrad: dict[int, Conversion] | None = None) -> _Backward:
         layer = variant.layer
         tangents = tuple((i, torch.Size(size), stride, dtype, device) for i, (size, stride), (dtype, device)
@@ -698,8 +319,8 @@ class DTensorBorder:
     """A compiled graph run between DTensors (Note: [A backward per tangent placement])."""
 
     def __init__(self, gm: fx.GraphModule, local_inputs: list, fake_mode: Any, compile_one: CompileOne,
-                 inputs: Sequence[_Slot], outputs: Sequence[_Slot], first: _Variant, wide: tuple[int, ...] = (),
-                 wide_values: tuple[torch.Tensor, ...] = (), plan: _TangentPlan | None = None,
+                 inputs: Sequence[Slot], outputs: Sequence[Slot], first: _Variant, wide: tuple[int, ...] = (),
+                 wide_values: tuple[torch.Tensor, ...] = (), plan: TangentPlan | None = None,
                  cache: bool = False) -> None:
         self._gm = gm
         self._cache = cache  # Note: [A kept compile restarts from Inductor's cache]
@@ -710,7 +331,7 @@ class DTensorBorder:
         self._wide_values = wide_values
         # Note: [The gradient a stack sends back]: which tangents first is
         # compiled for, and what the border knows of the others
-        self.plan = plan if plan is not None else _TangentPlan(first.tangents)
+        self.plan = plan if plan is not None else TangentPlan(first.tangents)
         self._fake_mode = fake_mode
         self._compile_one = compile_one
         self.inputs = tuple(inputs)
@@ -744,11 +365,11 @@ class DTensorBorder:
         """``(P)`` (``(P) restored``: from Inductor's cache), or ``(P) (redistributed:
         P->R@tp:all_reduce; input 3: S(0)->P@tp:embed)`` for a converted one."""
         if variant is not None:
-            return _placements_text(tangents) + (" restored" if variant.restored else "")
+            return placements_text(tangents) + (" restored" if variant.restored else "")
         bw = self._backwards.get(tangents)
         steps = [] if bw is None else [c.text() for _, c in bw.to_first] + [
             f"input {i}: {c.text()}" for i, c in bw.regrad.items()]
-        return f"{_placements_text(tangents)} (redistributed{': ' + '; '.join(steps) if steps else ''})"
+        return f"{placements_text(tangents)} (redistributed{': ' + '; '.join(steps) if steps else ''})"
 
     def __call__(self, *args: Any) -> tuple:
         check_inputs(self._in_checks, args)
@@ -776,7 +397,7 @@ class DTensorBorder:
         bw = self._backwards.get(tangents)
         if bw is None:
             if tangents in self.plan.converted or tangents != self.first.tangents and all(
-                    a is None or t is None or _converts_locally(a, t) for a, t in zip(tangents, self.first.tangents)):
+                    a is None or t is None or converts_locally(a, t) for a, t in zip(tangents, self.first.tangents)):
                 # Note: [The gradient a stack sends back]: converted, not compiled for
                 self.variants.setdefault(tangents, None)
             variant = self.variant_for(tangents)
@@ -814,7 +435,7 @@ class DTensorBorder:
         return self.variants[tangents]
 
 
-def _input_checks(inputs: Sequence[_Slot]) -> tuple:
+def _input_checks(inputs: Sequence[Slot]) -> tuple:
     """Per DTensor input: (index, traced placements, traced shape), what a call checks."""
     return tuple((i, s.spec.placements, torch.Size(s.shape)) for i, s in enumerate(inputs) if s.spec is not None)
 
@@ -846,11 +467,7 @@ def regrad_conversions(wanted: Sequence[Any], got: Sequence[Any]) -> dict[int, C
             if w is not None and g is not None and tuple(w) != tuple(g.placements)}
 
 
-def _placements_text(t: tuple) -> str:
-    return "(" + ", ".join("-" if p is None else "".join(str(x) for x in p) for p in t) + ")"
-
-
-def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake_mode: Any) -> list:
+def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[Slot], fake_mode: Any) -> list:
     """Fake values for the wrapper's placeholders: a DTensor's local tensor, requiring grad as the DTensor does.
 
     Dynamo hands real tensors (AOTAutograd fakes them); the border keeps
@@ -869,7 +486,7 @@ def _local_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake
 
 
 def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, compile_one: CompileOne,
-                     inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple,
+                     inputs: Sequence[Slot], outputs: Sequence[Slot], tangents: tuple,
                      wide: Sequence[int] = (), hoist: bool = False, cache: bool = False) -> _Variant | Refusal:
     """``gm``'s wrapper for ``tangents`` compiled by ``compile_one`` with its AOT graphs; ``hoist``: its
     backward's all_reduce of a tangent left to the border (Note: [The tangent's all_reduce belongs to the border]);
@@ -877,7 +494,7 @@ def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
     from . import layer_cache
 
     records: list[list] = [[] for _ in inputs]
-    wrapped = _wrapper(gm, inputs, outputs, tangents, records, wide)
+    wrapped = wrapper_graph(gm, inputs, outputs, tangents, records, wide)
     about = _variant_about(inputs, outputs, tangents, wide, hoist) if cache else None
     key = layer_cache.layer_key(wrapped, local_inputs, about) if about is not None else None
     if key is not None:
@@ -897,13 +514,13 @@ def _compile_variant(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode:
     return variant
 
 
-def _variant_about(inputs: Sequence[_Slot], outputs: Sequence[_Slot], tangents: tuple, wide: Sequence[int],
+def _variant_about(inputs: Sequence[Slot], outputs: Sequence[Slot], tangents: tuple, wide: Sequence[int],
                    hoist: bool) -> list | None:
     """What a variant's wrapper code does not say (its closures' specs), as
     JSON for its cache key; None when a mesh or placement has no text."""
     from . import cache_keys
 
-    def slot(s: _Slot) -> list | None:
+    def slot(s: Slot) -> list | None:
         if s.spec is None:
             return None
         mesh, placements = cache_keys.portable_mesh_key(s.spec.mesh), encode_placements(s.spec.placements)
@@ -942,7 +559,7 @@ def _saved_from_json(entries: list) -> tuple:
     return tuple(out)
 
 
-def _restored_variant(restored: tuple[CompiledLayer, Any] | None, inputs: Sequence[_Slot],
+def _restored_variant(restored: tuple[CompiledLayer, Any] | None, inputs: Sequence[Slot],
                       tangents: tuple) -> _Variant | None:
     """The variant of a layer restored from the cache (its record: input gradients, saved signature)."""
     if restored is None:
@@ -959,7 +576,7 @@ def _restored_variant(restored: tuple[CompiledLayer, Any] | None, inputs: Sequen
                     saved, restored=True)
 
 
-def _wrapper_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fake_mode: Any) -> tuple[list, tuple]:
+def _wrapper_examples(example_inputs: Sequence[Any], inputs: Sequence[Slot], fake_mode: Any) -> tuple[list, tuple]:
     """The wrapper's example inputs (local fakes, then one per wide slot) and
     the inputs with a wide slot (Note: [A gradient wider than its input])."""
     wide = _wide_inputs(example_inputs, inputs)
@@ -969,7 +586,7 @@ def _wrapper_examples(example_inputs: Sequence[Any], inputs: Sequence[_Slot], fa
     return local_inputs, wide
 
 
-def _fake_mode_of(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> Any:
+def _fake_mode_of(example_inputs: Sequence[Any], inputs: Sequence[Slot]) -> Any:
     """The fake mode of the examples' (local) tensors, else the tracing context's (None outside Dynamo)."""
     from .._torch_compat import detect_fake_mode
 
@@ -980,7 +597,7 @@ def _fake_mode_of(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> Any
                 None) or detect_fake_mode([v for v in example_inputs if isinstance(v, torch.Tensor)])
 
 
-def _wide_inputs(example_inputs: Sequence[Any], inputs: Sequence[_Slot]) -> tuple[int, ...]:
+def _wide_inputs(example_inputs: Sequence[Any], inputs: Sequence[Slot]) -> tuple[int, ...]:
     """The DTensor inputs that require grad and whose local tensor is smaller than
     the DTensor (Note: [A gradient wider than its input])."""
     return tuple(i for i, (v, s) in enumerate(zip(example_inputs, inputs))
@@ -1014,8 +631,8 @@ def _saved_signature(aot_graphs: Sequence[AotGraph]) -> tuple:
 class Prepared:
     """What the border learns of a graph before compiling it (:func:`prepare`)."""
 
-    inputs: tuple[_Slot, ...]
-    outputs: tuple[_Slot, ...]
+    inputs: tuple[Slot, ...]
+    outputs: tuple[Slot, ...]
     fake_mode: Any
     local_inputs: list  # the wrapper's example inputs (:func:`_wrapper_examples`)
     wide: tuple[int, ...]  # the inputs with a wide slot (Note: [A gradient wider than its input])

@@ -1,7 +1,7 @@
 """DTensor specs: built from their parts, and written as text a new process reads back.
 
 The borders build every spec they hand out with :func:`make_spec`.  What a
-trace recorded of its input gradients (``_Enter``'s records: per input, the
+trace recorded of its input gradients (``border_wrapper.Enter``'s records: per input, the
 gradient's spec and whether it left through the input's wide slot) is
 written beside torch's caches as JSON (:func:`encode_records`) and read back
 by a process that did not trace (:func:`decode_records`): the border torch's

@@ -626,19 +626,20 @@ def test_regional_stack_on_gloo_equals_eager_bitwise_under_aot_eager():
 
 
 def test_converts_locally_is_replicate_to_partial_or_shard():
-    from localmap_fx.compiler.dtensor_border import _converts_locally
+    from localmap_fx.compiler.tangent_plan import converts_locally
 
     R, P, S0 = Replicate(), Partial(), Shard(0)
-    assert _converts_locally((R,), (P,)) and _converts_locally((R,), (S0,)) and _converts_locally((P,), (P,))
+    assert converts_locally((R,), (P,)) and converts_locally((R,), (S0,)) and converts_locally((P,), (P,))
     # these need communication: a reduction or a gather
-    assert not _converts_locally((P,), (R,)) and not _converts_locally((S0,), (R,))
-    assert not _converts_locally((R,), (R, R))  # another mesh rank
+    assert not converts_locally((P,), (R,)) and not converts_locally((S0,), (R,))
+    assert not converts_locally((R,), (R, R))  # another mesh rank
 
 
 def test_chained_finds_the_one_input_an_output_would_feed():
     """A stack's block: the output has the spec of exactly one input that
     requires grad; two such inputs, or one without grad, chain nothing."""
-    from localmap_fx.compiler.dtensor_border import _chained, _Slot
+    from localmap_fx.compiler.border_wrapper import Slot
+    from localmap_fx.compiler.tangent_plan import chained_outputs
 
     x = _dt((8, 16), [Replicate()], 0)
     w = _dt((16, 32), [Shard(1)], 1)
@@ -646,13 +647,13 @@ def test_chained_finds_the_one_input_an_output_would_feed():
     frozen = _dt((8, 16), [Replicate()], 3, requires_grad=False)
 
     def slot(t):
-        return _Slot(t._spec, tuple(t.shape))
+        return Slot(t._spec, tuple(t.shape))
 
     out = [slot(x)]
-    assert _chained([slot(w), slot(x)], out, [w, x]) == {0: 1}
-    assert _chained([slot(x), slot(y)], out, [x, y]) == {}  # ambiguous
-    assert _chained([slot(frozen)], out, [frozen]) == {}
-    assert _chained([slot(x)], [_Slot(None)], [x]) == {}  # a plain output
+    assert chained_outputs([slot(w), slot(x)], out, [w, x]) == {0: 1}
+    assert chained_outputs([slot(x), slot(y)], out, [x, y]) == {}  # ambiguous
+    assert chained_outputs([slot(frozen)], out, [frozen]) == {}
+    assert chained_outputs([slot(x)], [Slot(None)], [x]) == {}  # a plain output
 
 
 def _border_inputs(gm, example_inputs):
@@ -668,15 +669,15 @@ def _border_inputs(gm, example_inputs):
 
 
 def _eager_runs_of(fn, args, tangent_sets):
-    """``_eager_runs`` over ``fn``'s border wrapper: per set of tangents (per
+    """``eager_runs`` over ``fn``'s border wrapper: per set of tangents (per
     output), the collectives eager DTensor issues and each input's gradient."""
-    from localmap_fx.compiler import dtensor_border as border_module
+    from localmap_fx.compiler.tangent_plan import eager_runs
 
     got: dict = {}
 
     def backend(gm, example_inputs):
         inputs, outputs, fake, local, wide = _border_inputs(gm, example_inputs)
-        got.update(border_module._eager_runs(gm, local, fake, inputs, outputs, tangent_sets, wide))
+        got.update(eager_runs(gm, local, fake, inputs, outputs, tangent_sets, wide))
         return gm.forward
 
     torch.compile(fn, backend=backend)(*args)
@@ -705,37 +706,37 @@ def test_count_collectives_sees_dtensor_dispatch_and_skips_waits():
     mode that took the DTensor op itself would see neither inside it."""
     import torch.distributed._functional_collectives as funcol
 
-    from localmap_fx.compiler.dtensor_border import _CountCollectives
+    from localmap_fx.compiler.tangent_plan import CountCollectives
 
     mesh = mesh_1d()
     x = _dt((8, 16), [Replicate()], 0)
     w = _dt((16, 32), [Shard(0)], 1)
-    with _CountCollectives() as count:
+    with CountCollectives() as count:
         funcol.wait_tensor(funcol.all_reduce(torch.ones(4), "sum", mesh))
     assert count.n == 1
-    with _CountCollectives() as count:
+    with CountCollectives() as count:
         (x @ w.redistribute(mesh, [Replicate()])).to_local()
     assert count.n == 1  # the gather of w
-    with _CountCollectives() as count:
+    with CountCollectives() as count:
         _col_row(x, _dt((16, 32), [Shard(1)], 2), _dt((32, 16), [Shard(0)], 3))
     assert count.n == 1  # the row's all_reduce
 
 
 def test_guess_makes_a_chained_replicate_partial():
-    from localmap_fx.compiler.dtensor_border import _guess
+    from localmap_fx.compiler.tangent_plan import guessed_tangents
 
     R, P, S0 = Replicate(), Partial(), Shard(0)
     default = ((R,), (S0,), (R,), None)
     # output 0 feeds an input; 1 is Shard (stays); 2 feeds nothing; 3 is plain
-    assert _guess(default, {0: 0, 1: 1}) == ((P,), (S0,), (R,), None)
-    assert _guess(((S0, R),), {0: 0}) == ((S0, P),)
-    assert _guess(default, {}) == default
+    assert guessed_tangents(default, {0: 0, 1: 1}) == ((P,), (S0,), (R,), None)
+    assert guessed_tangents(((S0, R),), {0: 0}) == ((S0, P),)
+    assert guessed_tangents(default, {}) == default
 
 
 def test_sends_asks_the_chained_input_for_the_guessed_placements():
     """A fixed point: the input a changed output feeds gets its gradient in
     the output's guessed placements, through its own slot (not the wide one)."""
-    from localmap_fx.compiler.dtensor_border import _sends
+    from localmap_fx.compiler.tangent_plan import sends
 
     R, P = Replicate(), Partial()
     x = _dt((8, 16), [Replicate()], 0)
@@ -744,11 +745,11 @@ def test_sends_asks_the_chained_input_for_the_guessed_placements():
         return [DTensor.from_local(x.to_local(), x.device_mesh, placements)._spec, wide]
 
     default, guess = ((R,),), ((P,),)
-    assert _sends([rec([P])], guess, {0: 0}, default)
-    assert not _sends([rec([R])], guess, {0: 0}, default)
-    assert not _sends([[]], guess, {0: 0}, default)  # no gradient
-    assert not _sends([rec([P], wide=True)], guess, {0: 0}, default)
-    assert _sends([rec([R])], default, {0: 0}, default)  # nothing changed, nothing asked
+    assert sends([rec([P])], guess, {0: 0}, default)
+    assert not sends([rec([R])], guess, {0: 0}, default)
+    assert not sends([[]], guess, {0: 0}, default)  # no gradient
+    assert not sends([rec([P], wide=True)], guess, {0: 0}, default)
+    assert sends([rec([R])], default, {0: 0}, default)  # nothing changed, nothing asked
 
 
 def _counting_joints():
@@ -861,7 +862,7 @@ def test_plan_that_cannot_run_eager_compiles_the_default_and_says_why(monkeypatc
     def fail(*args, **kwargs):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(border_module, "_eager_runs", fail)
+    monkeypatch.setattr(border_module, "eager_runs", fail)
     x, w1, w2 = _col_row_args()
     partial = _downstream([Partial()])
     partial(_col_row(x, w1, w2)).backward()
@@ -882,7 +883,7 @@ def test_eager_grads_are_eagers_placements():
     """What the plan reads for the tangent it does not compile (and the
     cacheable border for a gradient in other placements than traced): the
     placements eager DTensor gives each input's gradient."""
-    from localmap_fx.compiler import dtensor_border as border_module
+    from localmap_fx.compiler.tangent_plan import eager_grads
 
     x, w1, w2 = _col_row_args()
     expected = {}
@@ -895,7 +896,7 @@ def test_eager_grads_are_eagers_placements():
     def backend(gm, example_inputs):
         inputs, outputs, fake, local, wide = _border_inputs(gm, example_inputs)
         for p in (Replicate(), Partial()):
-            got[p] = tuple(g for g in border_module._eager_grads(gm, local, fake, inputs, outputs, ((p,),), wide)
+            got[p] = tuple(g for g in eager_grads(gm, local, fake, inputs, outputs, ((p,),), wide)
                            if g is not None)
         return gm.forward
 
@@ -913,7 +914,7 @@ def test_eager_partial_backward_of_col_row_gathers_and_reduce_scatters():
     of this test came to pin "no collective"."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from localmap_fx.compiler.dtensor_border import _CountCollectives
+    from localmap_fx.compiler.tangent_plan import CountCollectives
     from localmap_fx.graph_utils import collective_name, is_collective_op
 
     class Naive(TorchDispatchMode):
@@ -931,7 +932,7 @@ def test_eager_partial_backward_of_col_row_gathers_and_reduce_scatters():
     assert Naive.names == ["all_reduce"]  # the forward's, issued by redistribute on local tensors
     _clear(x, w1, w2)
     loss = partial(_col_row(x, w1, w2))
-    with _CountCollectives() as count:
+    with CountCollectives() as count:
         loss.backward()
     assert count.n == 3
     assert w2.grad.placements == (Partial(),)

@@ -145,7 +145,7 @@ def test_torch_parallelized_blocks_compile_regionally_as_upstream_and_equal_eage
 def test_torch_parallelized_block_converts_a_partial_gradient():
     """The block's Partial joint gathers weights (torch's Colwise/Rowwise
     projections), so the border compiles Replicate and converts Partial
-    (Note: [The gradient a stack sends back] in compiler/dtensor_border.py)."""
+    (Note: [The gradient a stack sends back] in compiler/tangent_plan.py)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from helpers import border_recording, mesh_1d

@@ -29,7 +29,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.layer_sharing.runs",),
     ("localmap_fx.compiler.cacheable_border",),
     ("localmap_fx.compiler.dtensor_border", "localmap_fx.layer_sharing.piece_meshes"),
-    ("localmap_fx.compiler.layer_cache", "localmap_fx.layer_sharing.whole_gradients"),
+    ("localmap_fx.compiler.tangent_plan",),
+    ("localmap_fx.compiler.layer_cache", "localmap_fx.layer_sharing.whole_gradients",
+     "localmap_fx.compiler.border_wrapper"),
     (
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
