@@ -39,6 +39,24 @@ def mesh_for(ndim: int):
     return mesh_1d() if ndim == 1 else mesh_2d()
 
 
+@functools.cache
+def ltm_mesh_for(ndim: int):
+    """A mesh for ``LocalTensorMode`` numerics only, never compiled on outside the mode.
+
+    torch 2.14.1 keeps state per mesh that a Dynamo trace of a ``redistribute``
+    outside the mode leaves wrong for the mode: eager gradients under it come
+    out wrong afterwards, for torch's ``local_map`` too, on that mesh and no
+    other (``tests/compile/test_upstream_local_tensor_mode.py``).  The
+    session's meshes (:func:`mesh_for`) are compiled on by many modules, so
+    tests that compare numerics under the mode use these, whose dimension
+    names no other mesh shares.
+    """
+    ensure_fake_pg()
+    if ndim == 1:
+        return init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("ltm_tp",))
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("ltm_dp", "ltm_tp"))
+
+
 def rank_dtensor(full, mesh, placements, requires_grad=True):
     """``distribute_tensor`` under LocalTensorMode, with one tensor per rank.
 

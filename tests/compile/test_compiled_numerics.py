@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import localmap_fx
 from localmap_fx.testing.models import MODELS, grad_tensors
 
-from helpers import WORLD_SIZE, mesh_for
+from helpers import WORLD_SIZE, ltm_mesh_for
 
 
 def _per_rank(t):
@@ -49,7 +49,7 @@ def _run(step, state):
 def test_model_compiled_equals_eager(name):
     m = MODELS[name]
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_for(m.mesh_ndim)
+        mesh = ltm_mesh_for(m.mesh_ndim)
         e_loss, e_grads = _run(m.step, m.build(mesh, 0))
         compiled = torch.compile(m.step, backend=_backend(), fullgraph=True)
         c_loss, c_grads = _run(compiled, m.build(mesh, 0))
@@ -81,7 +81,7 @@ def _compare(fn, make_inputs, fullgraph=True, **backend_kw):
 
 
 def _mesh():
-    return mesh_for(1)
+    return ltm_mesh_for(1)
 
 
 def test_closure_over_tensor_keeps_alignment_and_grad():

@@ -12,7 +12,6 @@ derandomized: the same ones every run) and ``long`` (500 examples):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import pytest
@@ -20,12 +19,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import localmap_fx
 
-from helpers import WORLD_SIZE, ensure_fake_pg, rank_dtensor
+from helpers import WORLD_SIZE, ltm_mesh_for, rank_dtensor
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,
@@ -151,23 +149,6 @@ def _combos(n):
     return list(itertools.product([S0, S1, R], repeat=n))
 
 
-@functools.cache
-def _fuzz_mesh(ndim: int):
-    """This module's meshes, made and used under LocalTensorMode only.
-
-    The session's meshes (``helpers.mesh_for``) are used outside the mode by
-    other modules first; after one of them compiled a model on the 1-D mesh
-    (``test_debug``'s dump fixture), eager ``local_map`` under the mode gave
-    wrong gradients for ``Shard(0)`` (found when the suite ran in shards and
-    this module followed ``test_debug`` more closely).  Meshes of names of
-    their own share no cached DTensor state with those.
-    """
-    ensure_fake_pg()
-    if ndim == 1:
-        return init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("fuzz_tp",))
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("fuzz_dp", "fuzz_tp"))
-
-
 def _full(t):
     return t.full_tensor()
 
@@ -189,7 +170,7 @@ def test_eager_compiled_and_math_agree(case):
     fulls = [torch.randn(8, 8, generator=g) for _ in range(body.n_in)]
 
     with LocalTensorMode(WORLD_SIZE):
-        mesh = _fuzz_mesh(ndim)
+        mesh = ltm_mesh_for(ndim)
         fn = localmap_fx.local_map(
             body.fn,
             out_placements=out_placements if n_out > 1 else list(out_placements[0]),

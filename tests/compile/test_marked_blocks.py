@@ -23,7 +23,7 @@ from localmap_fx.layer_sharing.split import META_PIECE
 from localmap_fx.passes.inline_marked_blocks import META_MARKED, MarkedCall
 from localmap_fx.testing.graphs import Recorder, normalized
 
-from helpers import WORLD_SIZE, mesh_1d, rank_dtensor
+from helpers import WORLD_SIZE, ltm_mesh_for, mesh_1d, rank_dtensor
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
 
@@ -204,8 +204,8 @@ def test_local_tensor_mode_fails_in_dynamo_upstream():
     marked blocks are checked on the fake group and on gloo, not here."""
     with LocalTensorMode(WORLD_SIZE):
         torch._dynamo.reset()
-        model, _ = _stack(mesh_1d(), 2)
-        x = rank_dtensor(torch.randn(8, 16), mesh_1d(), [Replicate()])
+        model, _ = _stack(ltm_mesh_for(1), 2)
+        x = rank_dtensor(torch.randn(8, 16), ltm_mesh_for(1), [Replicate()])
         with pytest.raises(Exception, match="Expected FakeTensor after unwrapping, got .*LocalTensor"):
             torch.compile(model, backend=localmap_fx.backend("aot_eager"), fullgraph=True)(x)
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import localmap_fx
 
-from helpers import WORLD_SIZE, mesh_for, waiting_collectives
+from helpers import WORLD_SIZE, ltm_mesh_for, mesh_for, waiting_collectives
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 
@@ -348,7 +348,7 @@ CASES: dict[str, Case] = {
     "2d_allgather_tp": Case(
         # the group is looked up outside the body: DeviceMesh slicing runs
         # tensor ops, which the strict checker refuses on untyped tensors
-        2, lambda m: (lambda g: lambda x: funcol.all_gather_tensor(x, 0, g))(m["tp"]),
+        2, lambda m: (lambda g: lambda x: funcol.all_gather_tensor(x, 0, g))(m[m.mesh_dim_names[1]]),
         (((8, 4), (R, S0)),), [R, R], lambda n, x: x, funcol=True,
     ),
     "2d_rs_dp": Case(
@@ -496,7 +496,7 @@ def _case_reference(case: Case) -> tuple:
 def _ltm_inputs(case: Case, globals_: list) -> tuple:
     """``(mesh, inputs)``: the case's arguments as DTensors holding every
     rank's shard (call under ``LocalTensorMode``)."""
-    mesh = mesh_for(case.ndim)
+    mesh = ltm_mesh_for(case.ndim)
     return mesh, [
         _ltm_dtensor(x, mesh, p, i, case.requires_grad) for i, (x, (_, p)) in enumerate(zip(globals_, case.ins))
     ]

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from localmap_fx import _torch_compat
 from localmap_fx import local_map as our_local_map
 
-from helpers import WORLD_SIZE, mesh_1d, mesh_2d
+from helpers import WORLD_SIZE, ltm_mesh_for
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 PLACEMENTS_1D = {"S0": S0, "S1": S1, "R": R, "P": P}
@@ -361,7 +361,7 @@ class Meshes:
 
 @pytest.fixture(scope="module")
 def meshes():
-    return Meshes(mesh_1d(), mesh_2d())
+    return Meshes(ltm_mesh_for(1), ltm_mesh_for(2))
 
 
 # --------------------------------------------------------------------------- #
@@ -868,7 +868,7 @@ SPECIAL: dict[str, Case] = {
 
 
 def _submesh_input(m):
-    sub = m.m2["tp"]
+    sub = m.m2["ltm_tp"]
     x = make_dtensor((8, 8), sub, [S0])
     return (x,), {}, [x]
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import localmap_fx
 
-from helpers import WORLD_SIZE, full_text, mesh_1d, rank_dtensor
+from helpers import WORLD_SIZE, full_text, ltm_mesh_for, rank_dtensor
 
 S0, R = [Shard(0)], [Replicate()]
 
@@ -56,7 +56,7 @@ FORMS = {
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_nested_forms_match_single_device_math(form, compiled):
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_1d()
+        mesh = ltm_mesh_for(1)
         d, ws, _, full, wfull = _inputs(mesh)
         fn = localmap_fx.local_map(_body, out_placements=S0, **FORMS[form])
         call = (lambda d, ws: fn(d, ws, 2.0))
@@ -72,7 +72,7 @@ def test_nested_forms_match_single_device_math(form, compiled):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_keyword_argument_with_placements(compiled):
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_1d()
+        mesh = ltm_mesh_for(1)
         d, ws, bias, full, wfull = _inputs(mesh)
         fn = localmap_fx.local_map(_body, out_placements=S0, in_placements={"d": S0, "ws": R, "bias": S0})
         call = lambda d, ws, b: fn(d, ws, 2.0, bias=b)  # noqa: E731
@@ -87,7 +87,7 @@ def test_keyword_argument_with_placements(compiled):
 def test_flat_form_keeps_torch_meaning():
     """A flat in_placements whose length matches the leaves is torch's form."""
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_1d()
+        mesh = ltm_mesh_for(1)
         d, ws, _, full, wfull = _inputs(mesh)
         fn = localmap_fx.local_map(_body, out_placements=S0, in_placements=(S0, S0, R, R, None))
         out = fn(d, ws, 2.0)
@@ -98,7 +98,7 @@ def test_flat_form_keeps_torch_meaning():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_errors_name_the_argument_path(compiled):
     with LocalTensorMode(WORLD_SIZE):
-        mesh = mesh_1d()
+        mesh = ltm_mesh_for(1)
         d, ws, _, _, _ = _inputs(mesh)
         cases = [
             (({"q": S0}, R, None), ValueError, "args[0]['k']"),  # missing entry
