@@ -170,7 +170,7 @@ def test_eager_compiled_and_math_agree(case):
     fulls = [torch.randn(8, 8, generator=g) for _ in range(body.n_in)]
 
     with LocalTensorMode(WORLD_SIZE):
-        mesh = ltm_mesh_for(ndim)
+        mesh = ltm_mesh_for(ndim, "fuzz")
         fn = localmap_fx.local_map(
             body.fn,
             out_placements=out_placements if n_out > 1 else list(out_placements[0]),

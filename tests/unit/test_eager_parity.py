@@ -361,7 +361,7 @@ class Meshes:
 
 @pytest.fixture(scope="module")
 def meshes():
-    return Meshes(ltm_mesh_for(1), ltm_mesh_for(2))
+    return Meshes(ltm_mesh_for(1, "parity"), ltm_mesh_for(2, "parity"))
 
 
 # --------------------------------------------------------------------------- #
@@ -868,7 +868,7 @@ SPECIAL: dict[str, Case] = {
 
 
 def _submesh_input(m):
-    sub = m.m2["ltm_tp"]
+    sub = m.m2["parity_tp"]
     x = make_dtensor((8, 8), sub, [S0])
     return (x,), {}, [x]
 
