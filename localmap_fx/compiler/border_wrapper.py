@@ -152,8 +152,8 @@ class Calls:
 
 
 def wrapper_graph(gm: fx.GraphModule, inputs: Sequence[Slot], outputs: Sequence[Slot],
-             tangents: Sequence[Placements | None], records: Sequence[list],
-             wide: Sequence[int] = (), calls: Calls | None = None) -> fx.GraphModule:
+                  tangents: Sequence[Placements | None], records: Sequence[list],
+                  wide: Sequence[int] = (), calls: Calls | None = None) -> fx.GraphModule:
     """The local-level graph around ``gm`` (Note: [The border's wrapper graph]);
     ``wide``: the inputs that get a wide slot, after all others (Note: [A
     gradient wider than its input]).  ``calls``: what enters and leaves

@@ -142,8 +142,6 @@ class BorderRefused(enum.Enum):
     OUTPUT = "output"
 
 
-
-
 @dataclasses.dataclass
 class _Variant:
     """One compile of the wrapper graph: tangent placements -> compiled layer + input-gradient specs."""

@@ -183,7 +183,7 @@ def _zero_gradient(out: Any, tangents: Placements | None) -> torch.Tensor:
 
 
 def eager_runs(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[Slot],
-                outputs: Sequence[Slot], tangent_sets: Sequence[tuple], wide: Sequence[int]) -> dict[tuple, EagerRun]:
+               outputs: Sequence[Slot], tangent_sets: Sequence[tuple], wide: Sequence[int]) -> dict[tuple, EagerRun]:
     """Per set of tangents, what eager DTensor does with ``gm`` on the fake
     examples: one forward, then one backward per set (nothing traced, nothing
     compiled).  Raises what eager raises when it cannot run the graph on the
@@ -210,7 +210,7 @@ def eager_runs(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, 
 
 
 def eager_grads(gm: fx.GraphModule, local_inputs: Sequence[Any], fake_mode: Any, inputs: Sequence[Slot],
-                 outputs: Sequence[Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
+                outputs: Sequence[Slot], tangents: tuple, wide: Sequence[int]) -> tuple:
     """Per input, the placements eager DTensor gives its gradient for
     ``tangents`` (None: no gradient); raises as :func:`eager_runs` does."""
     return eager_runs(gm, local_inputs, fake_mode, inputs, outputs, (tangents,), wide)[tuple(tangents)].grads
