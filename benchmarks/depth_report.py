@@ -108,7 +108,8 @@ def figures(res: dict) -> list[dict]:
         rows.append(_row(f"warm[{style},{side},{n}]", f"warm restart ÷ cold, {side}, {n} layers", r["ratio"],
                          r["ratio"], r["ratio"], target,
                          f"cold {r['cold']['seconds']:.1f} s, warm {r['warm']['seconds']:.1f} s (wall); CPU "
-                         f"warm / cold {r.get('cpu_ratio', float('nan')):.2f}; warm caches: "
+                         f"warm / cold {r.get('cpu_ratio', float('nan')):.2f}; Dynamo's trace in the warm "
+                         f"process ÷ cold {r.get('dynamo_ratio', float('nan')):.2f}; warm caches: "
                          f"AOT {r['warm']['aot']}, FX {r['warm']['fx']}"))
     return rows
 

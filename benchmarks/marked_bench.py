@@ -12,7 +12,15 @@ one run (the order flips between depths):
   ``torch.compiler.nested_compile_region``), ``torch.compile(model,
   backend="localmap_fx")`` with the default options;
 * ``upstream_whole`` / ``upstream_regional`` / ``ours_whole``: as in
-  :mod:`benchmarks.depth_bench` (whose ``build`` makes them).
+  :mod:`benchmarks.depth_bench` (whose ``build`` makes them);
+* ``dynamo_only`` (cold only): the marked model under a backend that compiles
+  nothing (it returns a callable that stops the step), so the column is
+  Dynamo's own share of a marked compile: its trace, the stamping of every
+  call after the first, its guards and bytecode.  The table's row *as fast as
+  upstream* adds upstream regional's compile of its one block (its total less
+  its Dynamo phase): what a marked compile would cost with a backend exactly
+  as fast as upstream's own compile of the block (ours can be faster or
+  slower; the row shows how much of the target Dynamo leaves).
 
 Cold compile: the first forward + backward in one fresh process on a fake
 process group of 2, every cache cold (:mod:`benchmarks.compile_time`'s
@@ -38,14 +46,27 @@ from .depth_bench import module_step, values_match
 
 __all__ = ["COLD", "STEADY", "build", "cold_worker", "steady_ranks", "run", "main"]
 
-COLD = ("marked", "upstream_regional", "ours_whole")
+COLD = ("marked", "upstream_regional", "ours_whole", "dynamo_only")
 STEADY = ("marked", "upstream_whole", "ours_whole")
 SHAPE = {"batch": 32, "d": 128, "hidden": 256}
 
 
+class StoppedAfterDynamo(Exception):
+    """Raised by the ``dynamo_only`` column's compiled code: Dynamo's work is done."""
+
+
+def _stop(*args):
+    raise StoppedAfterDynamo
+
+
+def _compile_nothing(gm, example_inputs):
+    return _stop
+
+
 def build(mesh, column: str, n: int, batch: int, d: int, hidden: int):
-    """(step, zero, leaves) of one column; ``step()`` runs forward + backward and returns the loss."""
-    if column != "marked":
+    """(step, zero, leaves) of one column; ``step()`` runs forward + backward and returns the loss
+    (``dynamo_only``: raises :class:`StoppedAfterDynamo` once Dynamo has compiled the frame)."""
+    if column not in ("marked", "dynamo_only"):
         from .depth_bench import build as depth_build
 
         return depth_build(mesh, "module", column, n, batch=batch, d=d, hidden=hidden)
@@ -53,7 +74,8 @@ def build(mesh, column: str, n: int, batch: int, d: int, hidden: int):
 
     model = TPStack(mesh, n, d=d, hidden=hidden, marked=True)
     x = tp_stack_input(mesh, batch, d)
-    return module_step(torch.compile(model, backend="localmap_fx"), model, x)
+    backend = "localmap_fx" if column == "marked" else _compile_nothing
+    return module_step(torch.compile(model, backend=backend), model, x)
 
 
 def _children_cpu() -> float:
@@ -80,7 +102,10 @@ def _cold(mesh, column: str, n: int) -> dict:
         metrics.reset()
         dutils.compilation_time_metrics.clear()
         k0, c0, t0 = _children_cpu(), time.process_time(), time.perf_counter()
-        step()
+        try:
+            step()
+        except StoppedAfterDynamo:
+            pass
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
         children = _children_cpu() - k0
         phases = _phases(dutils.compilation_time_metrics)
@@ -172,12 +197,17 @@ def table(res: dict) -> str:
             # the issue's figure: the process and its C++ compile children together
             base = statistics.median(r["cpu_s"] + r["children_cpu_s"] for r in res["cold"][f"upstream_regional/{n}"])
             for column in COLD:
+                if f"{column}/{n}" not in res["cold"]:
+                    continue  # a result from before the column existed
                 rs = res["cold"][f"{column}/{n}"]
                 med = {k: statistics.median(r[k] for r in rs) for k in
                        ("total_s", "cpu_s", "children_cpu_s", "dynamo_s", "aot_s", "inductor_s", "graphs")}
                 lines.append(f"| {column} | {n} | {med['total_s']:.2f} | {med['cpu_s']:.2f} + {med['children_cpu_s']:.2f} | {med['dynamo_s']:.2f} "
                              f"| {med['aot_s']:.2f} | {med['inductor_s']:.2f} | {med['graphs']:.0f} "
                              f"| {(med['cpu_s'] + med['children_cpu_s']) / base:.2f} |")
+            if f"dynamo_only/{n}" in res["cold"]:
+                lines.append(f"| as fast as upstream: dynamo_only + upstream_regional's block compile | {n} "
+                             f"| | | | | | | {_as_fast_as_upstream(res['cold'], n):.2f} |")
     if "steady" in res:
         lines += ["", "| steady step (2 gloo ranks) | layers | wall ms | ÷ upstream_whole (wall, median of rounds) "
                   "| numerics match |", "|---|---|---|---|---|"]
@@ -190,6 +220,16 @@ def table(res: dict) -> str:
                 lines.append(f"| {column} | {n} | {s['step_us']['wall'][column]['median'] / 1e3:.1f} | {shown} "
                              f"| {s['numerics_match'][column]} |")
     return "\n".join(lines)
+
+
+def _as_fast_as_upstream(cold: dict, n: int) -> float:
+    """Per repeat, (Dynamo's own CPU on the marked model + upstream regional's CPU less its Dynamo phase)
+    ÷ upstream regional's CPU; the median.  Compile children (C++) count on both sides."""
+    def cpu(r):
+        return r["cpu_s"] + r["children_cpu_s"]
+
+    return statistics.median((cpu(d) + cpu(u) - u["dynamo_s"]) / cpu(u)
+                             for d, u in zip(cold[f"dynamo_only/{n}"], cold[f"upstream_regional/{n}"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,9 +73,13 @@ def first_step(mode: str, n_layers: int, cache_dir: str, stable: bool = False, s
     seconds, cpu = time.perf_counter() - t0, _cpu() - c0
     from localmap_fx.compiler import layer_cache
 
+    from .compile_time import _phases
+
     return {
         "seconds": seconds,
         "cpu_seconds": cpu,
+        # no cache of torch's holds Dynamo's work: a warm process traces again
+        "dynamo_s": _phases(torch._dynamo.utils.compilation_time_metrics)["dynamo_s"],
         # Note: [A kept compile restarts from Inductor's cache]
         "layers": {k: v for k, v in dataclasses.asdict(layer_cache.counts()).items() if v},
         "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
@@ -93,7 +97,8 @@ def warm_restart(mode: str, n_layers: int, stable: bool = False, style: str = "m
                 runs.append(ex.submit(first_step, mode, n_layers, cache, stable, style).result())
     cold, warm = runs
     return {"mode": mode, "style": style, "layers": n_layers, "cold": cold, "warm": warm,
-            "ratio": warm["seconds"] / cold["seconds"], "cpu_ratio": warm["cpu_seconds"] / cold["cpu_seconds"]}
+            "ratio": warm["seconds"] / cold["seconds"], "cpu_ratio": warm["cpu_seconds"] / cold["cpu_seconds"],
+            "dynamo_ratio": warm["dynamo_s"] / cold["seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"{mode:>18} {n:3d} layers: cold {r['cold']['seconds']:6.2f} s, warm {r['warm']['seconds']:6.2f} s, "
                   f"warm/cold {r['ratio']:.2f} (target <= {TARGET}); CPU s: cold {r['cold']['cpu_seconds']:6.2f}, "
-                  f"warm {r['warm']['cpu_seconds']:6.2f}, warm/cold {r['cpu_ratio']:.2f}; warm caches: aot {r['warm']['aot']}, "
+                  f"warm {r['warm']['cpu_seconds']:6.2f}, warm/cold {r['cpu_ratio']:.2f}; Dynamo in the warm process "
+                  f"{r['warm']['dynamo_s']:.2f} s ({r['dynamo_ratio']:.2f} of cold); warm caches: aot {r['warm']['aot']}, "
                   f"fx {r['warm']['fx']}, restored layers {r['warm']['layers']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

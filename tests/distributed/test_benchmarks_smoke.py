@@ -115,3 +115,23 @@ def test_marked_bench_builds_every_column():
     for column in sorted(set(marked_bench.COLD) | set(marked_bench.STEADY)):
         step, zero, leaves = marked_bench.build(mesh_1d(), column, 2, batch=4, d=8, hidden=16)
         assert callable(step) and callable(zero) and leaves, column
+
+
+def test_marked_bench_adds_dynamo_to_upstreams_block_compile():
+    """A marked compile with a backend as fast as upstream's: per repeat, the ``dynamo_only`` column's
+    CPU plus upstream regional's CPU less its Dynamo phase, over upstream
+    regional's CPU; the table prints it beside the target's column."""
+    from benchmarks import marked_bench
+
+    def rec(cpu, children, dynamo):
+        return {"total_s": cpu, "cpu_s": cpu, "children_cpu_s": children, "dynamo_s": dynamo,
+                "aot_s": 0.0, "inductor_s": 0.0, "graphs": 1}
+
+    cold = {"upstream_regional/4": [rec(3.0, 1.0, 0.5), rec(2.0, 2.0, 1.0)],
+            "dynamo_only/4": [rec(2.0, 0.0, 2.0), rec(1.0, 0.0, 1.0)],
+            "marked/4": [rec(5.0, 1.0, 2.0)] * 2, "ours_whole/4": [rec(9.0, 1.0, 3.0)] * 2}
+    # (2 + 4 - 0.5) / 4 = 1.375 and (1 + 4 - 1) / 4 = 1.0: median 1.1875
+    assert marked_bench._as_fast_as_upstream(cold, 4) == pytest.approx(1.1875)
+    text = marked_bench.table({"depths": [4], "cold": cold})
+    assert "| as fast as upstream: dynamo_only + upstream_regional's block compile | 4 | | | | | | | 1.19 |" in text
+    assert "| dynamo_only | 4 |" in text
