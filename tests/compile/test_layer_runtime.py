@@ -432,6 +432,7 @@ class _DTensorWeightBlock(torch.nn.Module):
         return x + torch.nn.functional.linear(h, self.wo).redistribute(self.mesh, self.replicate)
 
 
+@pytest.mark.slow
 def test_auto_shares_layers_that_dtensors_cross_behind_the_lean_border(tmp_path):
     """Note: [No DTensor at an automatic border]: behind the lean DTensor border
     (the default) "auto" shares such layers; without it, it keeps one graph and

@@ -163,6 +163,7 @@ def test_64_pinned_parameters_compile_no_more_frames_than_upstream(inner):
     _assert_same(ours, upstream)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_64_unpinned_parameters_compile_no_more_frames_than_upstream(inner):
     """Parameters Dynamo does not pin: the frame at the call is captured, and
@@ -187,6 +188,7 @@ def test_parq_shaped_step_matches_upstream_compiled(inner, pinned):
     assert ours[0] <= upstream[0] and ours[1] <= upstream[1], (ours[:2], upstream[:2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
 def test_parameters_of_three_shapes(pinned):
     """Shapes that change from call to call: the frame at the call reaches
@@ -200,6 +202,7 @@ def test_parameters_of_three_shapes(pinned):
     _assert_same(ours, upstream)
 
 
+@pytest.mark.slow
 def test_step_after_a_traced_base_optimizer():
     """The real cause: Dynamo traces the base optimizer's step (SGD) and pins
     its parameters; the local_map frames after the break must not recompile

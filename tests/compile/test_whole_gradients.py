@@ -214,6 +214,7 @@ def _gloo_refused_vs_eager(rank, world_size, device):
     return [bool(torch.equal(a, b)) for a, b in zip(*out)]
 
 
+@pytest.mark.slow
 def test_a_layer_the_run_cannot_hold_keeps_eagers_gradients_on_gloo():
     from localmap_fx.testing.dist import run_ranks
 

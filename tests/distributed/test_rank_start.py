@@ -50,6 +50,7 @@ def test_the_compilers_environment_keeps_the_fork(monkeypatch, tmp_path):
     assert [(s["cwd"], s["forked"]) for s in seen] == [(str(tmp_path), True)] * 2
 
 
+@pytest.mark.slow
 def test_ranks_can_be_spawned_and_a_bad_start_method_is_named(monkeypatch):
     monkeypatch.setenv("LOCALMAP_FX_RANKS_START", "spawn")
     monkeypatch.setenv("LOCALMAP_FX_TEST_MARK", "spawned")
