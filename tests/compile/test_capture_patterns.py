@@ -6,8 +6,9 @@
   ``torch.cond``.
 
 Graphs on the fake process group; numerics under ``LocalTensorMode`` (all
-ranks in this process; ``outline=False`` since ``invoke_subgraph`` has no
-LocalTensor rule).
+ranks in this process, on a mesh nothing compiles on outside the mode:
+``helpers.ltm_mesh_for``; ``outline=False`` since ``invoke_subgraph`` has
+no LocalTensor rule).
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ import localmap_fx
 from localmap_fx.testing.graphs import Recorder
 from localmap_fx.testing.models import tp_block
 
-from helpers import WORLD_SIZE, mesh_1d
+from helpers import WORLD_SIZE, ltm_mesh_for, mesh_1d
 
 
 def _col(x, w):
     return torch.relu(x @ w)
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, mesh=None):
     g = torch.Generator().manual_seed(seed)
-    x = distribute_tensor(torch.randn(8, 16, generator=g), mesh_1d(), [Replicate()]).requires_grad_()
-    w = distribute_tensor(torch.randn(16, 32, generator=g), mesh_1d(), [Shard(1)]).requires_grad_()
+    mesh = mesh if mesh is not None else mesh_1d()
+    x = distribute_tensor(torch.randn(8, 16, generator=g), mesh, [Replicate()]).requires_grad_()
+    w = distribute_tensor(torch.randn(16, 32, generator=g), mesh, [Shard(1)]).requires_grad_()
     return x, w
 
 
@@ -122,7 +124,7 @@ def test_local_map_built_in_forward_numerics():
     with LocalTensorMode(WORLD_SIZE):
         results = []
         for compiled in (False, True):
-            x, w = _inputs()
+            x, w = _inputs(mesh=ltm_mesh_for(1))
             f = torch.compile(_built_inline_closure, backend=localmap_fx.backend("aot_eager", outline=False),
                               fullgraph=True) if compiled else _built_inline_closure
             out = f(x, w)
@@ -154,9 +156,9 @@ def _selective(x, w1, w2):
     return checkpoint(_block, x, w1, w2, use_reentrant=False, context_fn=ctx)
 
 
-def _mlp_inputs(seed=0):
+def _mlp_inputs(seed=0, mesh=None):
     g = torch.Generator().manual_seed(seed)
-    mesh = mesh_1d()
+    mesh = mesh if mesh is not None else mesh_1d()
     x = distribute_tensor(torch.randn(8, 16, generator=g), mesh, [Replicate()]).requires_grad_()
     w1 = distribute_tensor(torch.randn(16, 32, generator=g), mesh, [Shard(1)]).requires_grad_()
     w2 = distribute_tensor(torch.randn(32, 16, generator=g), mesh, [Shard(0)]).requires_grad_()
@@ -212,7 +214,7 @@ def test_regions_under_checkpoint_numerics(wrapper):
     with LocalTensorMode(WORLD_SIZE):
         results = []
         for compiled in (False, True):
-            x, w1, w2 = _mlp_inputs()
+            x, w1, w2 = _mlp_inputs(mesh=ltm_mesh_for(1))
             f = torch.compile(wrapper, backend=localmap_fx.backend("aot_eager", outline=False),
                               fullgraph=True) if compiled else wrapper
             out = f(x, w1, w2)

@@ -537,7 +537,8 @@ def eager_verdict(case: Case, ltm: bool) -> BaseException | None:
     globals_ = _globals(case)
     ctx = LocalTensorMode(WORLD_SIZE) if ltm else contextlib.nullcontext()
     with ctx:
-        mesh = mesh_for(case.ndim)
+        # under the mode, a mesh nothing compiles on outside it (helpers.ltm_mesh_for)
+        mesh = ltm_mesh_for(case.ndim) if ltm else mesh_for(case.ndim)
         make = (
             (lambda x, p, i: _ltm_dtensor(x, mesh, p, i, case.requires_grad))
             if ltm
