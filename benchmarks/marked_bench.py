@@ -195,7 +195,7 @@ def table(res: dict) -> str:
                   "CPU (own + children) ÷ upstream_regional |", "|---|---|---|---|---|---|---|---|---|"]
         for n in res["depths"]:
             # the issue's figure: the process and its C++ compile children together
-            base = statistics.median(r["cpu_s"] + r["children_cpu_s"] for r in res["cold"][f"upstream_regional/{n}"])
+            base = statistics.median(_cpu_with_children(r) for r in res["cold"][f"upstream_regional/{n}"])
             for column in COLD:
                 if f"{column}/{n}" not in res["cold"]:
                     continue  # a result from before the column existed
@@ -222,12 +222,15 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _cpu_with_children(r: dict) -> float:
+    """One cold compile's CPU seconds: the process and its C++ compile children."""
+    return r["cpu_s"] + r["children_cpu_s"]
+
+
 def _as_fast_as_upstream(cold: dict, n: int) -> float:
     """Per repeat, (Dynamo's own CPU on the marked model + upstream regional's CPU less its Dynamo phase)
     ÷ upstream regional's CPU; the median.  Compile children (C++) count on both sides."""
-    def cpu(r):
-        return r["cpu_s"] + r["children_cpu_s"]
-
+    cpu = _cpu_with_children
     return statistics.median((cpu(d) + cpu(u) - u["dynamo_s"]) / cpu(u)
                              for d, u in zip(cold[f"dynamo_only/{n}"], cold[f"upstream_regional/{n}"]))
 
