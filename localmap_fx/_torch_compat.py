@@ -67,6 +67,9 @@ _DT = "torch.distributed.tensor"
 
 SYMBOLS: tuple[Symbol, ...] = (
     # --- torch._C --------------------------------------------------------------------------
+    Symbol("AutoDispatchBelowAutograd", "torch._C", "_AutoDispatchBelowAutograd", CHECKED,
+           "a collective the runtime calls outside any graph, with nothing to differentiate, skips the "
+           "Python autograd kernel torch registers for it (the same redispatch, without its ~18 us)"),
     Symbol("DisableTorchFunction", "torch._C", "DisableTorchFunction", CHECKED,
            "rule math and DTensor propagation run without re-entering torch-function modes"),
     Symbol("get_current_graph_task_keep_graph", "torch._C", "_autograd._get_current_graph_task_keep_graph",
@@ -268,6 +271,7 @@ if TYPE_CHECKING:
     import torch.utils._cxx_pytree as cxx_pytree
     import torch.utils._pytree as pytree
     from torch._C import DisableTorchFunction
+    from torch._C import _AutoDispatchBelowAutograd as AutoDispatchBelowAutograd
     from torch._C._autograd import _get_current_graph_task_keep_graph as get_current_graph_task_keep_graph
     from torch._C._distributed_c10d import _get_work_registry_size as get_work_registry_size
     from torch._dynamo import assume_constant_result, skip_frame

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..eager_collectives import all_reduce_waited
 from ..lowering.plan import plan_redistribute
 
 __all__ = ["Conversion", "new_dtensor", "plan_conversion"]
@@ -50,8 +51,7 @@ class _AllReduce:
     group_name: str
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops._c10d_functional
-        return ops.wait_tensor(ops.all_reduce(local, self.reduce_op, self.group_name))
+        return all_reduce_waited(local, self.reduce_op, self.group_name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from ..eager_collectives import all_reduce_waited
 from . import PassResult
 
 __all__ = ["REDUCTION", "TangentReduction", "find_tangent_reductions", "hoist_tangent_reductions", "reductions_of"]
@@ -69,8 +70,7 @@ class TangentReduction:
 
     def reduce(self, tangent: torch.Tensor) -> torch.Tensor:
         """What the graph computed here: the same functional all_reduce, then waited (the same values)."""
-        ops = torch.ops._c10d_functional
-        return ops.wait_tensor(ops.all_reduce(self.viewed(tangent), self.reduce_op, self.group_name))
+        return all_reduce_waited(self.viewed(tangent), self.reduce_op, self.group_name)
 
 
 @dataclasses.dataclass(frozen=True)
