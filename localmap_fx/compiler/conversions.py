@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..eager_collectives import all_reduce_waited
+from ..below_autograd import all_reduce_waited
 from ..lowering.plan import plan_redistribute
 
 __all__ = ["Conversion", "new_dtensor", "plan_conversion"]

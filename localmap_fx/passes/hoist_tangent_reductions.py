@@ -37,7 +37,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..eager_collectives import all_reduce_waited
+from ..below_autograd import all_reduce_waited
 from . import PassResult
 
 __all__ = ["REDUCTION", "TangentReduction", "find_tangent_reductions", "hoist_tangent_reductions", "reductions_of"]

@@ -79,7 +79,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("localmap_fx.analysis",),
     (
         "localmap_fx.argtree",
-        "localmap_fx.eager_collectives",
+        "localmap_fx.below_autograd",
         "localmap_fx.graph_utils",
         "localmap_fx.spmd.functions",
         "localmap_fx.testing.teardown",
