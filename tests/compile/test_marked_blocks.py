@@ -268,3 +268,71 @@ def test_a_call_stamped_for_other_placements_is_refused():
         torch.compile(_four_calls, backend=rec.backend, fullgraph=True)(x)
     calls = [n for n in rec.stage("captured").graph.nodes if n.target is INVOKE]
     assert [n.args[0].target for n in calls] == ["subgraph_0"] * 4
+
+
+# --- a body whose backward conjugates (torchtitan's llama3: complex RoPE) ---------------
+
+
+def _rotate(h: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ComplexRoPE in small: adjacent pairs as complex numbers, times
+    unit complex frequencies; the backward of the product conjugates."""
+    hc = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+    return torch.view_as_real(hc * freqs).flatten(-2).type_as(h)
+
+
+def _freqs(rows: int, cols: int) -> torch.Tensor:
+    angles = torch.rand(rows, cols // 2, generator=torch.Generator().manual_seed(3))
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+class _RotaryBlock(torch.nn.Module):
+    def __init__(self, d: int, batch: int, seed: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d, generator=torch.Generator().manual_seed(seed)) / d**0.5)
+        self.register_buffer("freqs", _freqs(batch, d))
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _rotate(x @ self.w, self.freqs)
+
+
+def _rotary_stack(n: int = 3, d: int = 8, batch: int = 4):
+    model = torch.nn.Sequential(*(_RotaryBlock(d, batch, seed) for seed in range(n)))
+    x = torch.randn(batch, d, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    return model, x
+
+
+def _grads_of(fn, model, x) -> list[torch.Tensor]:
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    loss = fn(x).pow(2).sum()
+    loss.backward()
+    return [loss.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+def test_upstream_cannot_differentiate_a_marked_body_that_conjugates():
+    """Pins torch 2.14.1: a marked block whose backward conjugates (complex RoPE,
+    as in torchtitan's llama3 with its blocks marked) fails in AOTAutograd, no
+    DTensor involved: the ``invoke_subgraph`` HOP has no Conjugate-key rule.
+    The backend inlines the marked calls, so it never hands one to AOTAutograd."""
+    model, x = _rotary_stack()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="invoke_subgraph at dispatch key DispatchKey.Conjugate"):
+        _grads_of(torch.compile(model, backend="aot_eager"), model, x)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_marked_body_that_conjugates_compiles_once_and_equals_eager(inner):
+    model, x = _rotary_stack()
+    eager = _grads_of(model, model, x)
+    torch._dynamo.reset()
+    rec = Recorder(inner)
+    got = _grads_of(torch.compile(model, backend=rec.backend, fullgraph=True), model, x)
+    pieces = [n.meta[META_PIECE] for n in rec.stage("split_layers").graph.nodes if META_PIECE in n.meta]
+    assert [p.layer for p in pieces if p.layer is not None] == [0, 1, 2]
+    assert len({p.key for p in pieces if p.key is not None}) == 1  # one layer piece, compiled once
+    for a, b in zip(eager, got):
+        if inner == "aot_eager":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
