@@ -198,6 +198,18 @@ def test_first_block_unshared_keeps_the_parameters_local_tensors_untouched():
     assert len(frames) == 1
 
 
+def test_upstream_fails_on_a_marked_dtensor_block():
+    """Pins torch 2.14.1: with torch's ``local_map`` and any backend of torch's,
+    AOTAutograd re-traces the marked block's ``invoke_subgraph`` body on the
+    unwrapped FakeTensors, where ``to_local`` does not exist (issue 27)."""
+    from localmap_fx.testing.models import TPStack, tp_stack_input
+
+    torch._dynamo.reset()
+    model, x = TPStack(mesh_1d(), 3, d=16, hidden=32, impl="torch", marked=True), tp_stack_input(mesh_1d(), 8, 16)
+    with pytest.raises(Exception, match="'FakeTensor' object has no attribute 'to_local'"):
+        torch.compile(model, backend="aot_eager")(x).backward()
+
+
 def test_local_tensor_mode_fails_in_dynamo_upstream():
     """Pins torch 2.14.1: Dynamo cannot trace a marked block on LocalTensors
     (``invoke_subgraph`` has no LocalTensor rule), before any backend runs; so
