@@ -210,6 +210,50 @@ def test_upstream_fails_on_a_marked_dtensor_block():
         torch.compile(model, backend="aot_eager")(x).backward()
 
 
+class _NormedBlock(torch.nn.Module):
+    def __init__(self, mesh, seed: int) -> None:
+        super().__init__()
+        w = torch.randn(16, 16, generator=torch.Generator().manual_seed(seed))
+        self.w = torch.nn.Parameter(distribute_tensor(w, mesh, [Replicate()]))
+        self.scale = torch.nn.Parameter(distribute_tensor(torch.ones(16), mesh, [Replicate()]))
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return x + torch.relu(torch.nn.functional.rms_norm(x, (16,), self.scale) @ self.w)
+
+
+class _NormedStack(torch.nn.Module):
+    """torchtitan's llama3 on its ``partial_dtensor`` backend, in small: marked
+    blocks, then a final RMSNorm whose weight is a DTensor."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(_NormedBlock(mesh, seed) for seed in range(2)))
+        self.norm = torch.nn.Parameter(distribute_tensor(torch.ones(16), mesh, [Replicate()]))
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(self.blocks(x), (16,), self.norm)
+
+
+def test_dynamo_sees_a_marked_calls_dtensor_output_as_a_plain_tensor():
+    """Pins torch 2.14.1 (Dynamo): the output of a stamped marked call is a
+    plain FakeTensor to Dynamo, so a DTensor op after the blocks (torchtitan's
+    final norm) fails while tracing, before any backend is called."""
+    mesh = mesh_1d()
+    model = _NormedStack(mesh)
+    x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()]).requires_grad_()
+    called = []
+
+    def backend(gm, example_inputs):
+        called.append(gm)
+        return localmap_fx.backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="rms_norm.*got mixed torch.Tensor and DTensor"):
+        torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert called == []
+
+
 def test_local_tensor_mode_fails_in_dynamo_upstream():
     """Pins torch 2.14.1: Dynamo cannot trace a marked block on LocalTensors
     (``invoke_subgraph`` has no LocalTensor rule), before any backend runs; so
