@@ -10,7 +10,7 @@ shifting.  The package's ``__init__`` draws what the split makes of it.
 Note: [Layer spans and their key]
     Regions are the anchors: the sequence of region kinds (function and
     placements, not the call site) has a period ``p`` over ``k >= 2``
-    repeats.  Layer ``i`` is the run of graph nodes from the first node of
+    repeats from some start ``s`` (:func:`_best_period`).  Layer ``i`` is the run of graph nodes from the first node of
     region ``s + i*p`` up to the first node of region ``s + (i+1)*p``; the
     last layer takes as many nodes as the one before it.  A span's key is
     its op/target sequence, the wiring of every argument relative to the
@@ -72,16 +72,27 @@ def _region_kind(spec) -> tuple:
 
 
 def _best_period(kinds: Sequence[tuple]) -> tuple[int, int, int] | None:
-    """(start, period, repeats) covering the most regions with >= 2 repeats."""
+    """(start, period, repeats) covering the most regions with >= 2 repeats;
+    on a tie the shortest period, then the earliest start.
+
+    Any start, not only one below the period: regions before the layers that
+    are no part of them (an embedding's) would otherwise turn a one-region
+    layer into two (torchtitan's llama3 with only its inner attention a
+    region: [embedding, attention x 8] was 4 layers of 2 blocks)."""
     best = None
+    covered = 0
     n = len(kinds)
     for p in range(1, n // 2 + 1):
-        for s in range(0, p):
+        for s in range(0, n - 2 * p + 1):
+            if n - s <= covered:
+                break  # no later start can cover more
+            if kinds[s + p] != kinds[s]:
+                continue
             k = 1
             while s + (k + 1) * p <= n and kinds[s + k * p : s + (k + 1) * p] == kinds[s : s + p]:
                 k += 1
-            if k >= 2 and (best is None or k * p > best[2] * best[1]):
-                best = (s, p, k)
+            if k >= 2 and k * p > covered:
+                best, covered = (s, p, k), k * p
     return best
 
 

@@ -106,6 +106,25 @@ def test_finder_finds_one_key_for_identical_layers():
     assert all(line.endswith("key K") for line in text.splitlines()[1:])
 
 
+def test_finder_starts_the_layers_after_a_region_that_is_no_layer():
+    """An embedding-like region, then one region per layer (torchtitan's llama3
+    with only its inner attention a region): each layer is one region.  The
+    period search used to start only below the period, so the layers came out
+    two at a time (4 layers of 2 blocks at 8 blocks)."""
+    mesh = mesh_1d()
+    x, ws, bs = _state(mesh, 4)
+    embed = localmap_fx.local_map(lambda x: x * 2, out_placements=[Shard(0)], in_placements=([Shard(0)],),
+                                  device_mesh=mesh)
+    layer = _layer_fn(mesh)
+
+    def step(x, ws, bs):
+        return _step(layer)(embed(x), ws, bs)
+
+    plan = find_layer_spans(_capture(step, x, ws, bs))
+    assert (plan.first_region, plan.period, len(plan.spans)) == (1, 1, 4)
+    assert len({s.key for s in plan.spans}) == 1 and plan.spans[0].key is not None
+
+
 def test_finder_tp_stack_has_two_regions_per_layer():
     from benchmarks.models import build_tp_stack
 
