@@ -10,9 +10,10 @@ shifting.  The package's ``__init__`` draws what the split makes of it.
 Note: [Layer spans and their key]
     Regions are the anchors: the sequence of region kinds (function and
     placements, not the call site) has a period ``p`` over ``k >= 2``
-    repeats from some start ``s`` (:func:`_best_period`).  Layer ``i`` is the run of graph nodes from the first node of
-    region ``s + i*p`` up to the first node of region ``s + (i+1)*p``; the
-    last layer takes as many nodes as the one before it.  A span's key is
+    repeats from some start ``s`` (:func:`_best_period`).  Layer ``i`` is
+    the run of graph nodes from the first node of region ``s + i*p`` up to
+    the first node of region ``s + (i+1)*p``; the last layer takes as many
+    nodes as the one before it.  A span's key is
     its op/target sequence, the wiring of every argument relative to the
     span (node inside, input number, or constant), the constants, which of
     its nodes are used outside it, and per input the value's metadata:

@@ -363,7 +363,7 @@ def _grads_of(fn, model, x) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss = fn(x).pow(2).sum()
     loss.backward()
-    return [loss.detach(), x.grad, *(p.grad for p in model.parameters())]
+    return _tree(loss.detach(), model, x)
 
 
 def test_upstream_cannot_differentiate_a_marked_body_that_conjugates():
