@@ -68,8 +68,8 @@ _DT = "torch.distributed.tensor"
 SYMBOLS: tuple[Symbol, ...] = (
     # --- torch._C --------------------------------------------------------------------------
     Symbol("AutoDispatchBelowAutograd", "torch._C", "_AutoDispatchBelowAutograd", CHECKED,
-           "with grad mode off, our runtimes call compiled graphs and the all_reduce between them below "
-           "autograd, skipping the Python autograd kernels of the functional collectives (below_autograd.py)"),
+           "with nothing to differentiate, our runtimes call the all_reduce between graphs below autograd, "
+           "skipping the functional collectives' Python autograd kernels (below_autograd.py)"),
     Symbol("DisableTorchFunction", "torch._C", "DisableTorchFunction", CHECKED,
            "rule math and DTensor propagation run without re-entering torch-function modes"),
     Symbol("get_current_graph_task_keep_graph", "torch._C", "_autograd._get_current_graph_task_keep_graph",

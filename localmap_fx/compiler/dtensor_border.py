@@ -105,7 +105,6 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import FakeTensor, get_current_graph_task_keep_graph
-from ..below_autograd import call_compiled
 from ..layer_sharing.runtime import CompiledLayer, Refusal, _as_traced, compile_with_metadata, compiled_layer
 from ..passes.hoist_tangent_reductions import REDUCTION, TangentReduction, hoist_tangent_reductions
 from .border_wrapper import Placements, Slot, default_tangent, wrapper_graph
@@ -710,7 +709,7 @@ class _BorderFunction(torch.autograd.Function):
         for i in border._dt_inputs:
             local[i] = local[i]._local_tensor
         local += border._wide_values
-        flat = call_compiled(layer.forward, local)
+        flat = layer.forward(local)
         n = layer.n_outputs
         outs = list(flat[:n])
         for i, spec in border._out_specs:
@@ -781,7 +780,7 @@ class _BorderFunction(torch.autograd.Function):
                 args.append(r.viewed(_local_tangent(i, g, size, stride)))
             else:
                 args.append(r.reduce(args[first_tangent + k]))
-        out = list(call_compiled(layer.backward, args))
+        out = list(layer.backward(args))
         n = len(border.inputs)
         for i, at, spec in bw.wraps:
             g = out[at]

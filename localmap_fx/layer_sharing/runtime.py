@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._torch_compat import get_current_graph_task_keep_graph
-from ..below_autograd import call_compiled
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -337,7 +336,7 @@ def _run_forward(run: LayerRun, inputs: Sequence[Any], keep_saved: bool):
     saved: list[list] = []
     for step in run.steps:
         args = [inputs[s[1]] if s[0] == "in" else outs[s[1]][s[2]] for s in step.args]
-        step_outs, step_saved = step.layer.split(call_compiled(step.layer.forward, args))
+        step_outs, step_saved = step.layer.split(step.layer.forward(args))
         outs.append(step_outs)
         saved.append(step_saved if keep_saved else [])
     return outs, saved
@@ -406,7 +405,7 @@ class _RunFunction(torch.autograd.Function):
                                                               layer.tangent_layouts, layer.tangent_types)
             ]
             out_grads[j] = []
-            arg_grads = call_compiled(layer.backward, step_saved + step.backward_args(tangents))
+            arg_grads = layer.backward(step_saved + step.backward_args(tangents))
             for src, g in zip(step.args, arg_grads):
                 if g is None:
                     continue

@@ -1,7 +1,6 @@
-"""``below_autograd``: compiled graphs and the all_reduce between them called
-beneath autograd's dispatch when nothing is differentiated (Notes: [Compiled
-graphs run below autograd], [A collective with nothing to differentiate skips
-autograd's Python])."""
+"""``below_autograd``: the all_reduce between graphs called beneath autograd's
+dispatch when nothing is differentiated (Note: [A collective with nothing to
+differentiate skips autograd's Python])."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  # registers the collectives' autograd (DTensor imports it)
 
-from localmap_fx.below_autograd import all_reduce_waited, call_compiled
+from localmap_fx.below_autograd import all_reduce_waited
 from localmap_fx.testing.dist import run_ranks
 
 from helpers import mesh_1d
@@ -61,40 +60,6 @@ def test_an_input_that_requires_grad_keeps_the_autograd_path():
     out: list[torch.Tensor] = []
     assert _python_autograd_kernel_ran(lambda: out.append(all_reduce_waited(x, "sum", _group())))
     assert out[0].grad_fn is not None
-
-
-def _graph_like(args: list) -> list:
-    """What Inductor's output code does: an extern kernel, a collective, a view, an in-place op."""
-    x, w = args
-    out = torch.mm(x, w)
-    out = ops.wait_tensor(ops.all_reduce(out, "sum", _group()))
-    view = out.view(-1)
-    view.add_(1)
-    return [out, view]
-
-
-def test_a_compiled_call_with_grad_mode_off_runs_below_autograd():
-    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, 4, requires_grad=True)
-    with torch.no_grad():
-        want = _graph_like([x, w])
-        assert _python_autograd_kernel_ran(lambda: _graph_like([x, w]))
-        got: list = []
-        assert not _python_autograd_kernel_ran(lambda: got.append(call_compiled(_graph_like, [x, w])))
-    out, view = got[0]
-    assert all(torch.equal(a, b) for a, b in zip(got[0], want))
-    # the tensors autograd's kernels would have made: a view of its base, its version bumped alike
-    assert view._base is out and out._version == want[0]._version > 0
-    assert not out.requires_grad and out.grad_fn is None
-
-
-def test_a_compiled_call_with_grad_mode_on_is_made_as_before():
-    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, 4)
-    got: list = []
-    def reduced_mm(args: list) -> list:
-        return [ops.wait_tensor(ops.all_reduce(torch.mm(*args), "sum", _group()))]
-
-    assert _python_autograd_kernel_ran(lambda: got.append(call_compiled(reduced_mm, [x, w])))
-    assert got[0][0].grad_fn is not None
 
 
 def _ranks(rank, world_size, device):
