@@ -144,6 +144,7 @@ class LocalMap:
             spmd_types=spmd_types,
             # not while Dynamo traces: the registry is Python state it cannot trace
             body_key=_register_body(func) if spmd_types and not torch.compiler.is_compiling() else None,
+            register=_traced_register_spec() if torch.compiler.is_compiling() else None,
         )
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan: EagerPlan | None = None
@@ -252,6 +253,12 @@ def _register_body(func: Callable) -> int | None:
 #     constants.  Everything else in the annotation is placements and flags,
 #     constants already; Dynamo guards on them as usual, so later calls reuse
 #     the compiled frame.
+def _traced_register_spec() -> Callable[[dict], str]:
+    from .capture.call import traced_register_spec
+
+    return traced_register_spec
+
+
 def _traced_identity(func: Callable) -> tuple[str, str]:
     from ._torch_compat import comptime
     from .capture.handoff import taken

@@ -24,14 +24,27 @@ Note: [Regions inside nested subgraphs]
     ``Region.scope`` (its dotted path, ``""`` for the root graph).  A
     higher-order op that is itself part of a region (a checkpoint inside a
     body) belongs to that region's body and is not walked.
+
+Note: [A region's spec travels as a key]
+    Dynamo reads an ``annotate`` argument as a Python constant, and every
+    tuple, dict and placement inside it becomes a source of its own.  Inside
+    a ``nested_compile_region`` each stamped call of the block clones and
+    compares every source the first call read (torch 2.14.1,
+    ``invoke_subgraph.is_reusable``): with the spec dict in the annotation a
+    column/row TP block read 148 sources, 100 of them the spec's, and the
+    check took about 15 ms a call under a profiler.  So the annotation holds
+    a short text key (``spec_key``), made from the spec's content, so that
+    equal specs get one key and a new process the same one, and the spec
+    itself is registered here; :func:`spec_of` reads it back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +69,9 @@ __all__ = [
     "META_LOWERED",
     "META_REGION_ID",
     "spec_annotation",
+    "register_spec",
+    "spec_of",
+    "leaf_spec_key",
     "placements_str",
     "role_of",
     "index_of",
@@ -103,13 +119,18 @@ def spec_annotation(
     spmd_types: bool | str,
     identity: tuple[str, str] | None = None,
     body_key: int | None = None,
+    register: Callable[[dict], str] | None = None,
 ) -> dict:
-    """The constant dict capture puts in ``node.meta["custom"]``.
+    """The constant dict capture puts in ``node.meta["custom"]``:
+    ``{META_SPEC: key}`` of the registered spec (Note: [A region's spec
+    travels as a key]).
 
     Built once per ``local_map`` function, normally outside traced code:
     Dynamo only accepts annotation values it can read as Python constants.
     ``identity`` = ``(name, definition site)`` of ``func`` when the caller
-    already has them as constants (a ``local_map`` built while Dynamo traces).
+    already has them as constants (a ``local_map`` built while Dynamo traces);
+    ``register``: what registers the spec there (one Dynamo does not trace),
+    else :func:`register_spec`.
     """
     if identity is not None:
         name, site = identity
@@ -125,21 +146,54 @@ def spec_annotation(
             return specs
         return tuple(_tuple_or_none(s) for s in specs)
 
-    return {
-        META_SPEC: {
-            "func": name,
-            "func_site": site,
-            "in": norm(in_placements),
-            "out": norm(out_specs),
-            "in_grad": norm(in_grad_placements),
-            "redistribute_inputs": bool(redistribute_inputs),
-            # True, False or "global" (see spmd.global_check)
-            "spmd_types": spmd_types if spmd_types == "global" else bool(spmd_types),
-            "has_mesh": device_mesh is not None,
-            # spmd_types=True: finds the body at compile time (spmd.functions)
-            "body": body_key,
-        }
+    spec = {
+        "func": name,
+        "func_site": site,
+        "in": norm(in_placements),
+        "out": norm(out_specs),
+        "in_grad": norm(in_grad_placements),
+        "redistribute_inputs": bool(redistribute_inputs),
+        # True, False or "global" (see spmd.global_check)
+        "spmd_types": spmd_types if spmd_types == "global" else bool(spmd_types),
+        "has_mesh": device_mesh is not None,
+        # spmd_types=True: finds the body at compile time (spmd.functions)
+        "body": body_key,
     }
+    return {META_SPEC: (register or register_spec)(spec)}
+
+
+# key -> spec, and the content each key was made from
+_SPECS: dict[str, dict] = {}
+_CONTENT: dict[str, str] = {}
+
+
+def register_spec(spec: dict) -> str:
+    """The key of ``spec`` (registered on first sight): the function's name and
+    a digest of the spec's text, the same for equal specs and in every process."""
+    content = repr(sorted((k, repr(v)) for k, v in spec.items()))
+    key = f"{spec.get('func')}@{hashlib.sha1(content.encode()).hexdigest()[:12]}"
+    while key in _CONTENT and _CONTENT[key] != content:
+        key += "'"  # a digest collision: never two specs on one key
+    if key not in _SPECS:
+        _SPECS[key] = spec
+        _CONTENT[key] = content
+    return key
+
+
+def spec_of(value: Any) -> dict | None:
+    """The spec an annotation's ``META_SPEC`` value names (None for None)."""
+    if value is None:
+        return None
+    try:
+        return _SPECS[value]
+    except KeyError:
+        raise KeyError(f"no local_map spec is registered under {value!r}") from None
+
+
+def leaf_spec_key(key: str, in_specs: tuple, in_grads: tuple | None) -> str:
+    """The key of ``key``'s spec with per-leaf input placements (a call whose
+    ``in_placements`` mirror nested arguments records one entry per leaf)."""
+    return register_spec({**_SPECS[key], "in": in_specs, "in_grad": in_grads})
 
 
 def placements_str(placements: Sequence[Placement] | None) -> str:
@@ -357,7 +411,7 @@ def _group_runs(gm: fx.GraphModule) -> list[tuple[dict | None, list[fx.Node]]]:
                 runs.append((cur_ann, cur))
             cur, cur_ann, last_role = [], None, None
             continue
-        ann = custom_meta(node).get(META_SPEC)
+        ann = spec_of(custom_meta(node).get(META_SPEC))
         if META_REGION in node.meta and role is None:
             role = "body"
         new_call = (

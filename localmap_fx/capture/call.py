@@ -5,8 +5,9 @@ fallback.  It performs the same checks (:mod:`localmap_fx.validate`) and the
 same boundary operations, but wraps every node it creates in
 ``torch.fx.traceback.annotate`` so that the region survives as metadata:
 
-* ``META_SPEC`` -> the region's placements (:func:`region.spec_annotation`),
-  the same object for every node of every call of one ``local_map`` function;
+* ``META_SPEC`` -> the key of the region's placements (:func:`region.spec_annotation`,
+  Note: [A region's spec travels as a key]), the same for every node of
+  every call of one ``local_map`` function;
 * ``META_ROLE`` -> ``"enter"`` (redistribute / to_local of argument ``i``),
   ``"body"`` (the user's function, traced at local shapes) or ``"exit"``
   (from_local of output ``j``);
@@ -45,7 +46,7 @@ from .._pytree import flatten_args, pytree, unflatten_args
 from .._torch_compat import AsyncCollectiveTensor, assume_constant_result, comptime
 from ..boundary import check_arg_meshes
 from ..errors import compile_time
-from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT
+from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT, leaf_spec_key, register_spec
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from .handoff import taken
 from .plan import check_meshes, plan_call, plan_outputs
@@ -79,6 +80,9 @@ _plan_inputs = _at_compile_time(validate.plan_inputs)
 _plan_nested_inputs = _at_compile_time(validate.plan_nested_inputs)
 _check_outputs = _at_compile_time(validate.check_outputs)
 _check_arg_mesh = _at_compile_time(validate.check_arg_mesh)
+# registering is Python state Dynamo does not trace (Note: [A region's spec travels as a key])
+_leaf_spec_key = assume_constant_result(leaf_spec_key)
+traced_register_spec = assume_constant_result(register_spec)
 
 
 def _check_meshes(lm: LocalMap, flat_args: list) -> None:
@@ -165,7 +169,7 @@ def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             lm.param_names,
         )
         # the region records the placements per flattened leaf
-        annotation = {META_SPEC: {**lm.spec_annotation[META_SPEC], "in": flat_specs, "in_grad": flat_grads}}
+        annotation = {META_SPEC: _leaf_spec_key(lm.spec_annotation[META_SPEC], flat_specs, flat_grads)}
     else:
         annotation = lm.spec_annotation
         _check_meshes(lm, flat_args)

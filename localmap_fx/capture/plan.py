@@ -296,7 +296,7 @@ def _mesh_from(lm, values: list) -> int | None:
 
 
 class Annotations:
-    """The merged ``annotate`` dicts of one ``LocalMap``'s nodes: its spec plus
+    """The merged ``annotate`` dicts of one ``LocalMap``'s nodes: its spec's key plus
     the role (and argument / output index).  One dict per node group instead
     of three nested ``annotate`` contexts, each of which Dynamo traces."""
 

@@ -61,6 +61,7 @@ import torch.fx as fx
 from .._torch_compat import comptime, invoke_subgraph_placeholder
 from ..analysis import copy_nodes, find_effects, span_io, storage_key
 from ..graph_utils import node_value
+from ..region import spec_of
 from . import handoff
 from .handoff import local_vt, realized, taken
 
@@ -204,11 +205,12 @@ def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
         return None, [], None
     func = func_vt.get_function()
     try:
-        spec = local_vt(ctx, "spec").as_python_constant()
+        spec_key = local_vt(ctx, "spec").as_python_constant()
         mesh = local_vt(ctx, "mesh").as_python_constant()
     except Exception:  # noqa: BLE001 - not constants: no reuse
         return None, [], None
-    if not isinstance(spec, dict) or spec.get("spmd_types"):
+    spec = spec_of(spec_key) if isinstance(spec_key, str) else None
+    if spec is None or spec.get("spmd_types"):
         return None, [], None
     arg_keys: list = []
     fakes: list = []
@@ -229,7 +231,7 @@ def _key_and_inputs(ctx) -> tuple[tuple | None, list, Callable | None]:
             return None, [], None
     key = (
         func,
-        repr(sorted((k, repr(v)) for k, v in spec.items())),
+        spec_key,  # made from the spec's content
         id(mesh),
         tuple(arg_keys),
         torch.is_grad_enabled(),
@@ -339,12 +341,13 @@ def _body_is_pure(tx, new: list[fx.Node], outputs: list[fx.Node], args: list) ->
     return not any(id(node_value(inputs[i])) in arg_ids for i, _ in effects.written_inputs())
 
 
-def run_body(func: Callable, local_args: tuple, kwargs: dict, spec: dict, mesh: Any) -> Any:
+def run_body(func: Callable, local_args: tuple, kwargs: dict, spec: str, mesh: Any) -> Any:
     """Call the region body ``func(*local_args, **kwargs)`` (traced by Dynamo).
 
     Through the shared body of its region key when an earlier call of the key
-    proved sharing safe, else inline (see the Notes above).  ``spec`` and
-    ``mesh`` are the region's annotation and mesh: part of the key.
+    proved sharing safe, else inline (see the Notes above).  ``spec`` (the
+    key of the region's spec, :func:`localmap_fx.region.register_spec`) and
+    ``mesh``: part of the key.
     """
     if kwargs or not _ENABLED:
         return func(*local_args, **kwargs)

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from .._torch_compat import HigherOrderOperator
 from ..graph_utils import call_site_of, custom_meta, is_collective, node_value, schema_args, subgraph_calls
-from ..region import META_INDEX, META_REGION_ID, META_ROLE, META_SPEC
+from ..region import META_INDEX, META_REGION_ID, META_ROLE, META_SPEC, spec_of
 from .tables import size_value, tensor_desc
 
 __all__ = ["collective_rows"]
@@ -74,8 +74,8 @@ def _annotation(node: fx.Node, outer: fx.Node | None) -> dict:
 def _match_regions(ann: dict, site: str, regions: Sequence[dict]) -> list[str]:
     if META_REGION_ID in ann:
         return [ann[META_REGION_ID]]
-    spec = ann.get(META_SPEC)
-    if not isinstance(spec, dict):
+    spec = spec_of(ann.get(META_SPEC))
+    if spec is None:
         return []
     same = [r for r in regions if r["func"] == spec.get("func") and r["func_site"] == spec.get("func_site")]
     at_site = [r for r in same if r["call_site"] == site]
@@ -140,7 +140,8 @@ def collective_rows(
         }
         if META_SPEC in ann:
             row["regions"] = _match_regions(ann, site, regions)
-            row["func"] = ann[META_SPEC].get("func") if isinstance(ann[META_SPEC], dict) else None
+            spec = spec_of(ann[META_SPEC])
+            row["func"] = None if spec is None else spec.get("func")
             if role == "enter":
                 row["boundary"] = f"enter arg{index}"
             elif role == "exit":
