@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -18,7 +19,7 @@ from localmap_fx.lowering import boundary_plan, find_boundaries, lower
 from localmap_fx.passes import apply
 from localmap_fx.passes.fuse_boundaries import find_round_trips, fuse_boundaries
 from localmap_fx.passes.outline_regions import find_outline_matches, outline_regions
-from localmap_fx.region import META_INDEX, META_ROLE, spec_annotation
+from localmap_fx.region import META_INDEX, META_ROLE, META_SPEC, spec_annotation, spec_of
 
 from helpers import mesh_1d
 
@@ -85,6 +86,44 @@ def _two_region_graph():
     y2 = _region(g, y1, m, y1.meta["example_value"], a2, _body_scale, [S0], extra=wn)
     g.output(y2)
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _key_in_this_process() -> str:
+    from localmap_fx.testing.models import _col
+
+    return _ann(_col, ((S0,), (R,)), ((P,),))[META_SPEC]
+
+
+def test_equal_specs_share_one_key_and_the_key_names_the_spec():
+    def f(x):
+        return x
+
+    key = _ann(f, ((S0,),), ((S0,),))[META_SPEC]
+    assert isinstance(key, str) and key.startswith(f.__qualname__ + "@")
+    assert _ann(f, ((S0,),), ((S0,),))[META_SPEC] == key
+    assert _ann(f, ((S0,),), ((R,),))[META_SPEC] != key
+    assert _ann(f, ((S0,),), ((S0,),), grads=((R,),))[META_SPEC] != key
+    spec = spec_of(key)
+    assert (spec["func"], spec["in"], spec["out"], spec["in_grad"]) == (f.__qualname__, ((S0,),), ((S0,),), None)
+
+
+def test_a_spec_key_is_the_same_in_a_new_process():
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}];"
+        "import test_passes_unit as t; print(t._key_in_this_process())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == _key_in_this_process()
+
+
+def test_an_unknown_spec_key_is_named_in_the_error():
+    with pytest.raises(KeyError, match="no local_map spec is registered under 'f@0'"):
+        spec_of("f@0")
 
 
 def test_find_regions_on_hand_built_graph():
