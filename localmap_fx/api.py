@@ -132,24 +132,44 @@ class LocalMap:
         self.out_specs = validate.normalize_out_specs(out_placements)
         # Positional parameter names, for in_placements given by name (argtree).
         self.param_names = _param_names(func) if isinstance(in_placements, dict) else None
-        self.spec_annotation = spec_annotation(
-            func=func,
-            # Note: [local_map built while Dynamo traces]
-            identity=_traced_identity(func) if torch.compiler.is_compiling() else None,
-            in_placements=in_placements,
-            out_specs=self.out_specs,
-            in_grad_placements=in_grad_placements,
-            device_mesh=device_mesh,
-            redistribute_inputs=redistribute_inputs,
-            spmd_types=spmd_types,
-            # not while Dynamo traces: the registry is Python state it cannot trace
-            body_key=_register_body(func) if spmd_types and not torch.compiler.is_compiling() else None,
-            register=_traced_register_spec() if torch.compiler.is_compiling() else None,
-        )
+        # The region annotation capture puts on this function's nodes: built on
+        # first capture (:meth:`built_spec_annotation`), so that the eager path
+        # never pays for it; while Dynamo traces, now (the real object is not
+        # filled in then: Note: [local_map built while Dynamo traces]).
+        self.spec_annotation: dict | None = None
+        if torch.compiler.is_compiling():
+            self.spec_annotation = spec_annotation(
+                func=func,
+                identity=_traced_identity(func),
+                in_placements=in_placements,
+                out_specs=self.out_specs,
+                in_grad_placements=in_grad_placements,
+                device_mesh=device_mesh,
+                redistribute_inputs=redistribute_inputs,
+                spmd_types=spmd_types,
+                # the body registry is Python state Dynamo does not trace
+                register=_traced_register_spec(),
+            )
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan: EagerPlan | None = None
         # Built by capture on its first planned call (capture_plan.annotations).
         self._capture_annotations: Any = None
+
+    def built_spec_annotation(self) -> dict:
+        """The region annotation of this function's calls, built on first use
+        (in real Python: capture's ``comptime`` functions call it)."""
+        if self.spec_annotation is None:
+            self.spec_annotation = spec_annotation(
+                func=self.func,
+                in_placements=self.in_placements,
+                out_specs=self.out_specs,
+                in_grad_placements=self.in_grad_placements,
+                device_mesh=self.device_mesh,
+                redistribute_inputs=self.redistribute_inputs,
+                spmd_types=self.spmd_types,
+                body_key=_register_body(self.func) if self.spmd_types else None,
+            )
+        return self.spec_annotation
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():

@@ -49,7 +49,7 @@ from ..errors import compile_time
 from ..region import META_INDEX, META_SPEC, ROLE_BODY, ROLE_ENTER, ROLE_EXIT, leaf_spec_key, register_spec
 from ..shapes import contiguous_stride, input_shapes, output_global_shape
 from .handoff import taken
-from .plan import check_meshes, plan_call, plan_outputs
+from .plan import build_spec_annotation, check_meshes, plan_call, plan_outputs
 from .reuse import run_body
 
 if TYPE_CHECKING:
@@ -154,6 +154,7 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
 
 def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     """Every other call: Dynamo traces the checks and the bookkeeping."""
+    comptime(build_spec_annotation)  # reads the local ``lm``
     flat_args, args_spec = flatten_args(args)
     nested = argtree.wants_nested(lm.in_placements, len(flat_args), len(args))
     if nested:

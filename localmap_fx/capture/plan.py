@@ -148,6 +148,14 @@ def _local_map(ctx):
     return vt.value
 
 
+def build_spec_annotation(ctx) -> None:
+    """comptime, traced path: build the real ``lm``'s annotation before the
+    traced code reads it (one built in the traced code has it already)."""
+    lm = _local_map(ctx)
+    if lm is not None:
+        lm.built_spec_annotation()
+
+
 def check_meshes(ctx) -> None:
     """comptime, traced path: raise (through :func:`taken`) if a DTensor in
     the local ``flat_args`` is not on ``lm.device_mesh``; ``"traced"`` when
@@ -323,7 +331,7 @@ def annotations_of(lm) -> Annotations:
     """``lm``'s :class:`Annotations`, built on its first planned call."""
     notes = lm._capture_annotations
     if notes is None:
-        notes = lm._capture_annotations = Annotations(lm.spec_annotation)
+        notes = lm._capture_annotations = Annotations(lm.built_spec_annotation())
     return notes
 
 

@@ -407,3 +407,26 @@ def test_layouts_taken_in_turn_are_all_kept():
     for x in xs:
         f(x)
     assert [lay.steps[0][2].shape[0] for lay in f._eager_plan.layouts] == [80, 72, 64, 56, 48, 40, 32, 24]
+
+
+def test_eager_calls_never_build_the_capture_annotation():
+    """Building and calling a ``local_map`` in eager leaves the region
+    annotation unbuilt (capture builds it on first use); a compile then
+    builds it and gives the same region as a ``local_map`` compiled fresh."""
+    import localmap_fx
+    from localmap_fx.region import META_SPEC, spec_of
+
+    mesh = mesh_1d()
+
+    def body(x):
+        return x * 2
+
+    lm = our_local_map(body, out_placements=((Shard(0),),), in_placements=((Shard(0),),), device_mesh=mesh)
+    x = _dt(mesh, [Shard(0)])
+    lm(x).to_local().sum().backward()
+    assert lm.spec_annotation is None
+    torch._dynamo.reset()
+    out = torch.compile(lm, backend=localmap_fx.backend(inner="aot_eager"), fullgraph=True)(x)
+    assert torch.equal(out.to_local(), x.to_local() * 2)
+    spec = spec_of(lm.spec_annotation[META_SPEC])
+    assert (spec["func"], spec["in"], spec["out"]) == (body.__qualname__, ((Shard(0),),), ((Shard(0),),))
