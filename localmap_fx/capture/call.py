@@ -138,7 +138,8 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
     comptime(plan_outputs)
     exits = taken()
     if exits is None:
-        return _exit_traced(lm, lm.spec_annotation, out, mesh, input_shapes(args, enters, flat_local))
+        # planned: plan_call built the annotation
+        return _exit_traced(lm, lm.spec_annotation, out, mesh, input_shapes(args, enters, flat_local))  # type: ignore[arg-type]
     single, exits = exits
     outs = (out,) if single else out
     flat_dist = []
@@ -155,6 +156,7 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
 def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     """Every other call: Dynamo traces the checks and the bookkeeping."""
     comptime(build_spec_annotation)  # reads the local ``lm``
+    base: dict = lm.spec_annotation  # type: ignore[assignment]  # built just above
     flat_args, args_spec = flatten_args(args)
     nested = argtree.wants_nested(lm.in_placements, len(flat_args), len(args))
     if nested:
@@ -170,9 +172,9 @@ def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
             lm.param_names,
         )
         # the region records the placements per flattened leaf
-        annotation = {META_SPEC: _leaf_spec_key(lm.spec_annotation[META_SPEC], flat_specs, flat_grads)}
+        annotation = {META_SPEC: _leaf_spec_key(base[META_SPEC], flat_specs, flat_grads)}
     else:
-        annotation = lm.spec_annotation
+        annotation = base
         _check_meshes(lm, flat_args)
         plan = _plan_inputs(
             tuple(validate.describe_traced(a) for a in flat_args),
