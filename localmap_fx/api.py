@@ -147,7 +147,7 @@ class LocalMap:
                 device_mesh=device_mesh,
                 redistribute_inputs=redistribute_inputs,
                 spmd_types=spmd_types,
-                # the body registry is Python state Dynamo does not trace
+                # the spec registry is Python state Dynamo does not trace
                 register=_traced_register_spec(),
             )
         # Built by the eager path on its first call (see eager.EagerPlan).
@@ -273,12 +273,6 @@ def _register_body(func: Callable) -> int | None:
 #     constants.  Everything else in the annotation is placements and flags,
 #     constants already; Dynamo guards on them as usual, so later calls reuse
 #     the compiled frame.
-def _traced_register_spec() -> Callable[[dict], str]:
-    from .capture.call import traced_register_spec
-
-    return traced_register_spec
-
-
 def _traced_identity(func: Callable) -> tuple[str, str]:
     from ._torch_compat import comptime
     from .capture.handoff import taken
@@ -286,6 +280,12 @@ def _traced_identity(func: Callable) -> tuple[str, str]:
 
     comptime(put_identity)  # reads the local ``func``
     return taken()
+
+
+def _traced_register_spec() -> Callable[[dict], str]:
+    from .capture.call import traced_register_spec
+
+    return traced_register_spec
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:

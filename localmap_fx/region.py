@@ -33,7 +33,7 @@ Note: [A region's spec travels as a key]
     ``invoke_subgraph.is_reusable``): with the spec dict in the annotation a
     column/row TP block read 148 sources, 100 of them the spec's, and the
     check took about 15 ms a call under a profiler.  So the annotation holds
-    a short text key (``spec_key``), made from the spec's content, so that
+    a short text key (:func:`register_spec`), made from the spec's content, so that
     equal specs get one key and a new process the same one, and the spec
     itself is registered here; :func:`spec_of` reads it back.
 """
