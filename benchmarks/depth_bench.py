@@ -39,7 +39,12 @@ Columns (:data:`STYLE_COLUMNS` says which each style has), interleaved in one ru
 Cold compile: first forward + backward, one fresh process for all of them on
 a fake process group of 2 (graph-level work only), every cache cold as in
 :mod:`benchmarks.compile_time` (its :func:`~benchmarks.compile_time.cold_caches`,
-per-phase breakdown included; :data:`COLD_SHAPES`).
+per-phase breakdown included; :data:`COLD_SHAPES`).  A compile that took
+under :data:`REPEAT_COLD_UNDER_S` is measured a second time in a second pass
+over the columns (reversed order) and the faster of the two kept: one
+measurement of a 2 s compile swings ±15 % (a 0.9 s Dynamo phase once,
+against 0.13–0.15 s in five other measurements of the same cell), and the
+rule is the same for every column.
 Steady step: 2 gloo ranks, :data:`SHAPES`, paired interleaved rounds
 (:mod:`benchmarks.timing`), wall clock.
 Warm restart: :mod:`benchmarks.warm_restart` (a fresh process fills an empty
@@ -230,19 +235,33 @@ def _measure_cold(mesh, style: str, column: str, n: int) -> dict:
     return {"total_s": total, **stats, "graphs": frames}
 
 
+# compiles faster than this are measured twice (module docstring)
+REPEAT_COLD_UNDER_S = 10.0
+
+
 def cold_worker(plan: dict[str, list[int]]) -> dict:
-    """In a fresh process: every (style, column, depth) once, columns interleaved."""
+    """In a fresh process: every (style, column, depth) once, columns
+    interleaved; then, in reverse order, once more each one under
+    :data:`REPEAT_COLD_UNDER_S`, keeping the faster (``measurements_s`` has both)."""
     from .compile_time import _init_fake_pg, _warm_up
 
     torch.set_num_threads(1)
     mesh = _init_fake_pg()
     _warm_up(mesh)
+    cells = [(style, column, n) for style, depths in plan.items() for n in depths
+             for column in (STYLE_COLUMNS[style] if n % 16 else tuple(reversed(STYLE_COLUMNS[style])))]
     out: dict = {}
-    for style, depths in plan.items():
-        for n in depths:
-            columns = STYLE_COLUMNS[style]
-            for column in (columns if n % 16 else tuple(reversed(columns))):
-                out[f"{style}/{column}/{n}"] = _measure_cold(mesh, style, column, n)
+    for style, column, n in cells:
+        m = _measure_cold(mesh, style, column, n)
+        out[f"{style}/{column}/{n}"] = {**m, "measurements_s": [m["total_s"]]}
+    for style, column, n in reversed(cells):
+        key = f"{style}/{column}/{n}"
+        first = out[key]
+        if first["total_s"] >= REPEAT_COLD_UNDER_S:
+            continue
+        m = _measure_cold(mesh, style, column, n)
+        kept = m if m["total_s"] < first["total_s"] else first
+        out[key] = {**kept, "measurements_s": [first["total_s"], m["total_s"]]}
     return out
 
 
