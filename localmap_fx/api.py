@@ -138,18 +138,7 @@ class LocalMap:
         # filled in then: Note: [local_map built while Dynamo traces]).
         self.spec_annotation: dict | None = None
         if torch.compiler.is_compiling():
-            self.spec_annotation = spec_annotation(
-                func=func,
-                identity=_traced_identity(func),
-                in_placements=in_placements,
-                out_specs=self.out_specs,
-                in_grad_placements=in_grad_placements,
-                device_mesh=device_mesh,
-                redistribute_inputs=redistribute_inputs,
-                spmd_types=spmd_types,
-                # the spec registry is Python state Dynamo does not trace
-                register=_traced_register_spec(),
-            )
+            self.spec_annotation = self._new_spec_annotation(traced=True)
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan: EagerPlan | None = None
         # Built by capture on its first planned call (capture_plan.annotations).
@@ -159,17 +148,25 @@ class LocalMap:
         """The region annotation of this function's calls, built on first use
         (in real Python: capture's ``comptime`` functions call it)."""
         if self.spec_annotation is None:
-            self.spec_annotation = spec_annotation(
-                func=self.func,
-                in_placements=self.in_placements,
-                out_specs=self.out_specs,
-                in_grad_placements=self.in_grad_placements,
-                device_mesh=self.device_mesh,
-                redistribute_inputs=self.redistribute_inputs,
-                spmd_types=self.spmd_types,
-                body_key=_register_body(self.func) if self.spmd_types else None,
-            )
+            self.spec_annotation = self._new_spec_annotation(traced=False)
         return self.spec_annotation
+
+    def _new_spec_annotation(self, traced: bool) -> dict:
+        # traced: Dynamo runs this, so the name and site come from comptime and
+        # the spec registry is reached through a function Dynamo does not
+        # trace; the spmd_types body registry is not reached at all
+        return spec_annotation(
+            func=self.func,
+            identity=_traced_identity(self.func) if traced else None,
+            in_placements=self.in_placements,
+            out_specs=self.out_specs,
+            in_grad_placements=self.in_grad_placements,
+            device_mesh=self.device_mesh,
+            redistribute_inputs=self.redistribute_inputs,
+            spmd_types=self.spmd_types,
+            body_key=_register_body(self.func) if self.spmd_types and not traced else None,
+            register=_traced_register_spec() if traced else None,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():

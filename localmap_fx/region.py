@@ -162,9 +162,8 @@ def spec_annotation(
     return {META_SPEC: (register or register_spec)(spec)}
 
 
-# key -> spec, and the content each key was made from
-_SPECS: dict[str, dict] = {}
-_CONTENT: dict[str, str] = {}
+# key -> (the text the key was made from, the spec)
+_SPECS: dict[str, tuple[str, dict]] = {}
 
 
 def register_spec(spec: dict) -> str:
@@ -172,11 +171,9 @@ def register_spec(spec: dict) -> str:
     a digest of the spec's text, the same for equal specs and in every process."""
     content = repr(sorted((k, repr(v)) for k, v in spec.items()))
     key = f"{spec.get('func')}@{hashlib.sha1(content.encode()).hexdigest()[:12]}"
-    while key in _CONTENT and _CONTENT[key] != content:
+    while key in _SPECS and _SPECS[key][0] != content:
         key += "'"  # a digest collision: never two specs on one key
-    if key not in _SPECS:
-        _SPECS[key] = spec
-        _CONTENT[key] = content
+    _SPECS.setdefault(key, (content, spec))
     return key
 
 
@@ -185,7 +182,7 @@ def spec_of(value: Any) -> dict | None:
     if value is None:
         return None
     try:
-        return _SPECS[value]
+        return _SPECS[value][1]
     except KeyError:
         raise KeyError(f"no local_map spec is registered under {value!r}") from None
 
@@ -193,7 +190,7 @@ def spec_of(value: Any) -> dict | None:
 def leaf_spec_key(key: str, in_specs: tuple, in_grads: tuple | None) -> str:
     """The key of ``key``'s spec with per-leaf input placements (a call whose
     ``in_placements`` mirror nested arguments records one entry per leaf)."""
-    return register_spec({**_SPECS[key], "in": in_specs, "in_grad": in_grads})
+    return register_spec({**_SPECS[key][1], "in": in_specs, "in_grad": in_grads})
 
 
 def placements_str(placements: Sequence[Placement] | None) -> str:
