@@ -77,7 +77,12 @@ def run(jobs: int, update: bool, args: list[str]) -> int:
     if jobs == 1 and not update:
         os.chdir(ROOT)
         os.execv(sys.executable, [*pytest, *args])
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="localmap_fx_shards_"))
+    with tempfile.TemporaryDirectory(prefix="localmap_fx_shards_") as tmp:
+        return _run_shards(jobs, update, pytest, args, pathlib.Path(tmp))
+
+
+def _run_shards(jobs: int, update: bool, pytest: list[str], args: list[str], tmp: pathlib.Path) -> int:
+    """``jobs`` pytest processes at once; ``tmp`` (removed after) holds their module times."""
     procs, threads, lasts = [], [], []
     lock = threading.Lock()
     start = time.monotonic()
