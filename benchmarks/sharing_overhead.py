@@ -1,6 +1,7 @@
 """The run-time price of layer sharing, per layer (input to the "auto" policy).
 
-    python -m benchmarks.sharing_overhead 2 4 8 16     # TP blocks per model
+    python -m benchmarks.sharing_overhead 2 4 8 16                 # TP blocks per model
+    python -m benchmarks.sharing_overhead --attention 16 64        # behind the lean DTensor border
 
 Single process, fake process group of 2 (collectives are no-ops, so only
 the framework and kernel costs are left), one CPU thread, process CPU time
@@ -16,7 +17,15 @@ batch 32, d 128, hidden 256):
 * ``torch``: torch's ``local_map`` with ``backend="inductor"``.
 
 Prints one markdown row per block count, with ``(shared - one_graph) /
-blocks`` as the per-layer price.
+blocks`` as the per-layer price (``PIECE_OVERHEAD_S`` in
+:mod:`localmap_fx.layer_sharing.decide`).
+
+``--attention``: the price of a layer that DTensors cross, which runs
+behind the lean DTensor border (``BORDER_OVERHEAD_S``): the attention stack
+of :mod:`benchmarks.depth_bench` (:class:`localmap_fx.testing.attention_stack.AttnStack`,
+its steady-step shapes), ``shared`` (``share_layers=True``), ``one_graph``
+(``share_layers=False``) and ``torch`` (torch's ``local_map``, inductor),
+15 interleaved rounds of 5 steps.
 """
 
 from __future__ import annotations
@@ -65,8 +74,50 @@ def measure(n_blocks: int, rounds: int = 20, calls: int = 5) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def measure_attention(n_layers: int, rounds: int = 15, calls: int = 5) -> dict:
+    import localmap_fx
+
+    from .compile_time import _init_fake_pg
+    from .depth_bench import SHAPES, build
+
+    mesh = _init_fake_pg()
+    variants = {
+        "shared": ("ours_whole", localmap_fx.backend(share_layers=True)),
+        "one_graph": ("ours_whole", localmap_fx.backend(share_layers=False, outline=False)),
+        "torch": ("upstream_whole", "inductor"),
+    }
+    runs = {}
+    for name, (column, backend) in variants.items():
+        torch._dynamo.reset()
+        step, zero, _ = build(mesh, "attention", column, n_layers, backend=backend, **SHAPES["attention"])
+
+        def run(step=step, zero=zero):
+            step()
+            zero()
+
+        run()
+        run()
+        runs[name] = run
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            t0 = time.process_time()
+            for _ in range(calls):
+                runs[name]()
+            times[name].append((time.process_time() - t0) / calls * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
+    if argv[:1] == ["--attention"]:
+        print("| attention layers | shared µs | one graph µs | upstream µs | shared − one graph per layer µs |")
+        print("|---|---|---|---|---|")
+        for n in [int(a) for a in argv[1:]] or [16, 64]:
+            m = measure_attention(n)
+            per = (m["shared"] - m["one_graph"]) / n
+            print(f"| {n} | {m['shared']:.0f} | {m['one_graph']:.0f} | {m['torch']:.0f} | {per:.0f} |", flush=True)
+        return 0
     blocks = [int(a) for a in argv] or [2, 4, 8, 16]
     print("| TP blocks | shared µs | one graph µs | outlined µs | upstream µs | shared − one graph per layer µs |")
     print("|---|---|---|---|---|---|")

@@ -39,8 +39,14 @@ Note: [No DTensor at an automatic border]
     at compile time, and a backward compiled per tangent placement, so a
     Partial gradient is reduced in compiled code in eager's order (aot_eager
     stays bitwise eager).  That costs more per layer than a LayerRun step:
-    :data:`BORDER_OVERHEAD_S` (measured like :data:`PIECE_OVERHEAD_S`, on
-    a torchtitan-style attention stack), which "auto" weighs the same way.
+    :data:`BORDER_OVERHEAD_S`, which "auto" weighs the same way.  Measured
+    like :data:`PIECE_OVERHEAD_S`, on the torchtitan-style attention stack
+    (``python -m benchmarks.sharing_overhead --attention``), shared minus
+    one graph per layer is -46 to +52 µs of CPU at 16 and 64 layers: the
+    border's work is about what the pieces save in collectives (their
+    backward sums a layer's gradient in one all_reduce where one graph,
+    like eager, issues a reduce_scatter and an all_gather); the price is
+    the highest measurement.
     Without the lean border (``lean_border=False``, ``stable_cache_keys=True``,
     ``inner="eager"``) such a piece would go through AOTAutograd's subclass
     runtime: DTensors unwrapped and wrapped per layer and step, gradients
@@ -85,8 +91,8 @@ AUTO_MAX_OVERHEAD = 0.01
 # other devices: the same Python work, kernel launches are asynchronous)
 PIECE_OVERHEAD_S = {"cpu": 1.5e-5, "cuda": 1.5e-5}
 # seconds per layer call, forward + backward, behind the lean DTensor border
-# (Note: [No DTensor at an automatic border])
-BORDER_OVERHEAD_S = {"cpu": 2e-4, "cuda": 2e-4}
+# (Note: [No DTensor at an automatic border]; 2e-4 until session 22 measured it again)
+BORDER_OVERHEAD_S = {"cpu": 5e-5, "cuda": 5e-5}
 # FLOP/s assumed for the layer's matrix products (high on purpose)
 ASSUMED_FLOPS = {"cpu": 1e11, "cuda": 1e14}
 
