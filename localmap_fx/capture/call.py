@@ -137,9 +137,11 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
         out = run_body(lm.func, tuple(flat_local), {}, spec, mesh)
     comptime(plan_outputs)
     exits = taken()
-    if exits is None:
-        # planned: plan_call built the annotation
-        return _exit_traced(lm, lm.spec_annotation, out, mesh, input_shapes(args, enters, flat_local))  # type: ignore[arg-type]
+    if exits is None or exits[0] is None:
+        # outputs not planned: the traced exit, with the call's annotation
+        # (None: this runs as Python after a graph break, and reads the object)
+        annotation = exits[1] if exits is not None else lm.built_spec_annotation()
+        return _exit_traced(lm, annotation, out, mesh, input_shapes(args, enters, flat_local))
     single, exits = exits
     outs = (out,) if single else out
     flat_dist = []
@@ -156,7 +158,10 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
 def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     """Every other call: Dynamo traces the checks and the bookkeeping."""
     comptime(build_spec_annotation)  # reads the local ``lm``
-    base: dict = lm.spec_annotation  # type: ignore[assignment]  # built just above
+    base = taken()  # Note: [The annotation enters the trace as a constant] (capture/plan.py)
+    if base is None:
+        # a local_map built in the traced code (its annotation built there), or Python
+        base = lm.built_spec_annotation()
     flat_args, args_spec = flatten_args(args)
     nested = argtree.wants_nested(lm.in_placements, len(flat_args), len(args))
     if nested:

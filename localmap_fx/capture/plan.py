@@ -149,11 +149,22 @@ def _local_map(ctx):
 
 
 def build_spec_annotation(ctx) -> None:
-    """comptime, traced path: build the real ``lm``'s annotation before the
-    traced code reads it (one built in the traced code has it already)."""
+    """comptime, traced path: the real ``lm``'s annotation, built on its first
+    capture; None for one built in the traced code (it has it already).
+
+    Note: [The annotation enters the trace as a constant]
+        A ``local_map``'s annotation is built on its first capture, so on
+        the object it is None until then.  Traced code that read
+        ``lm.spec_annotation`` made Dynamo guard on that attribute's type:
+        blocks compiled one by one (``block.compile``), each holding a
+        ``local_map`` of its own, then failed the guard at every block not
+        yet captured, and Dynamo compiled the block's code again per block
+        (torchtitan's llama3, whose attention calls its ``local_map`` with
+        keywords).  So the annotation is handed over (:func:`taken`), a
+        constant with no source to guard.
+    """
     lm = _local_map(ctx)
-    if lm is not None:
-        lm.built_spec_annotation()
+    _put(lm.built_spec_annotation() if lm is not None else None)
 
 
 def check_meshes(ctx) -> None:
@@ -337,8 +348,9 @@ def annotations_of(lm) -> Annotations:
 
 def plan_outputs(ctx) -> None:
     """comptime, after the body: ``(single, per output (placements, global
-    shape or None, stride or None, annotation))``, or None (take the traced
-    path).  Reads locals ``lm``, ``args``, ``flat_local`` and ``out``."""
+    shape or None, stride or None, annotation))``, or ``(None, the call's
+    annotation)`` (take the traced exit).  Reads locals ``lm``, ``args``,
+    ``flat_local`` and ``out``."""
     from .._torch_compat import TensorVariable
 
     lm = _local_map(ctx)
@@ -356,7 +368,9 @@ def plan_outputs(ctx) -> None:
     if lm is None or outs is None or args is None or locals_ is None or any(
         not isinstance(o, torch.Tensor) for o in outs
     ):
-        _put(None)
+        # the traced exit, with the annotation plan_call built (Note: [The
+        # annotation enters the trace as a constant])
+        _put((None, lm.built_spec_annotation() if lm is not None else None))
         return
     # the input plan plan_call made for this call (a constant in the frame)
     enters = local_vt(ctx, "enters").as_python_constant()

@@ -110,3 +110,46 @@ def test_in_place_update_of_an_input_behaves_as_in_eager():
     (ex, ey), (cx, cy) = results
     assert torch.equal(ex, cx) and torch.equal(ey, cy)
     assert torch.equal(ex[0], torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the input was updated
+
+
+class _KwargBlock(torch.nn.Module):
+    """torchtitan's shape: a block that builds its own ``local_map`` and calls
+    it with a keyword argument (so capture takes its traced path)."""
+
+    def __init__(self, mesh, planned: bool) -> None:
+        super().__init__()
+
+        def body(a, scale=1.0):
+            return (a * scale, 3) if planned else a * scale
+
+        # planned: a non-tensor output sends the planned call back to the traced exit
+        out = ([Shard(0)], None) if planned else [Shard(0)]
+        self.inner = localmap_fx.local_map(body, out_placements=out, in_placements=([Shard(0)],),
+                                           device_mesh=mesh)
+        self.planned = planned
+
+    def forward(self, x):
+        if self.planned:
+            return self.inner(x)[0] + 1
+        return self.inner(x, scale=2.0) + 1
+
+
+def test_regional_blocks_with_their_own_local_map_compile_once():
+    """Each block compiled on its own (``block.compile``), each with a
+    ``local_map`` of its own not captured before: Dynamo compiles the block's
+    code once for all of them.  The annotation a call's nodes carry is handed
+    to the trace as a constant, never read from the ``local_map`` object,
+    whose attribute is unset until its first capture (found on torchtitan's
+    llama3: a recompile per block, ``___check_type_id`` on ``spec_annotation``)."""
+    m = mesh_1d()
+    for planned in (True, False):
+        torch._dynamo.reset()
+        be = CountingBackend()
+        blocks = [_KwargBlock(m, planned) for _ in range(4)]
+        for b in blocks:
+            b.compile(backend=be)
+        x = distribute_tensor(torch.randn(8, 4), m, [Shard(0)])
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for b in blocks:
+                x = b(x)
+        assert len(be.graphs) == 1, planned
