@@ -42,11 +42,12 @@ Note: [No DTensor at an automatic border]
     :data:`BORDER_OVERHEAD_S`, which "auto" weighs the same way.  Measured
     like :data:`PIECE_OVERHEAD_S`, on the torchtitan-style attention stack
     (``python -m benchmarks.sharing_overhead --attention``), shared minus
-    one graph per layer is -46 to +52 µs of CPU at 16 and 64 layers: the
-    border's work is about what the pieces save in collectives (their
-    backward sums a layer's gradient in one all_reduce where one graph,
-    like eager, issues a reduce_scatter and an all_gather); the price is
-    the highest measurement.
+    one graph per layer is -36 / -46 µs of CPU at 16 / 64 layers (and +52 /
+    +24 against one graph with its bodies outlined): the border's work is
+    about what the pieces save in collectives (their backward sums a
+    layer's gradient in one all_reduce where one graph, like eager, issues
+    a reduce_scatter and an all_gather); the price is the highest
+    measurement.
     Without the lean border (``lean_border=False``, ``stable_cache_keys=True``,
     ``inner="eager"``) such a piece would go through AOTAutograd's subclass
     runtime: DTensors unwrapped and wrapped per layer and step, gradients
