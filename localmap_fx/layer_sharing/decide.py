@@ -46,8 +46,8 @@ Note: [No DTensor at an automatic border]
     +24 against one graph with its bodies outlined): the border's work is
     about what the pieces save in collectives (their backward sums a
     layer's gradient in one all_reduce where one graph, like eager, issues
-    a reduce_scatter and an all_gather); the price is the highest
-    measurement.
+    a reduce_scatter and two all_gathers: 31 collectives a step against 61
+    at 16 layers); the price is the highest measurement.
     Without the lean border (``lean_border=False``, ``stable_cache_keys=True``,
     ``inner="eager"``) such a piece would go through AOTAutograd's subclass
     runtime: DTensors unwrapped and wrapped per layer and step, gradients
