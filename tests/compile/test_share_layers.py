@@ -592,3 +592,30 @@ def test_attention_layers_that_dtensors_cross_share_behind_the_dtensor_border(tm
         runtimes[lean] = {r["piece"]: (r["layers"], r["runtime"]) for r in rows}
     assert runtimes[True]["piece_1"] == ([0, 1, 2], "DTensor border")
     assert runtimes[False]["piece_1"] == ([0, 1, 2], "aot: a DTensor crosses its border")
+
+
+def test_attention_layers_shared_behind_the_border_issue_fewer_collectives():
+    """Why the lean DTensor border's price is low (Note: [No DTensor at an
+    automatic border]): one graph issues eager's collectives (the backward
+    gathers the projection weights and reduce-scatters), while the shared
+    layers' backward, its tangent arriving Partial at each border, sums each
+    layer's gradient in one all_reduce."""
+    from benchmarks.depth_bench import module_step
+    from benchmarks.step_census import collectives_per_step
+    from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
+
+    mesh = mesh_1d()
+    counts = {}
+    for way, share in (("eager", None), ("one_graph", False), ("shared", True)):
+        torch._dynamo.reset()
+        model = AttnStack(mesh, 4, d=16, n_heads=4)
+        x = attn_stack_input(mesh, 2, 4, 16)
+        fn = model if share is None else torch.compile(
+            model, backend=localmap_fx.backend("aot_eager", share_layers=share, outline=False))
+        step, zero, _ = module_step(fn, model, x)
+        step()
+        zero()
+        counts[way] = collectives_per_step(step, zero, steps=1)
+    assert counts["one_graph"] == counts["eager"]
+    assert set(counts["shared"]) == {"allreduce"}
+    assert sum(counts["shared"].values()) < sum(counts["eager"].values()), counts
