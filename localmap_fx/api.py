@@ -137,8 +137,16 @@ class LocalMap:
         # never pays for it; while Dynamo traces, now (the real object is not
         # filled in then: Note: [local_map built while Dynamo traces]).
         self.spec_annotation: dict | None = None
+        # What capture's plan for a call reads of this object, as one value
+        # Dynamo guards by equality (Note: [A call's plan depends on its
+        # local_map] in capture/call.py); None for one built while Dynamo
+        # traces, which nothing guards.
+        self.config_text: str | None = None
         if torch.compiler.is_compiling():
             self.spec_annotation = self._new_spec_annotation(traced=True)
+        else:
+            self.config_text = repr((in_placements, self.out_specs, in_grad_placements, redistribute_inputs,
+                                     spmd_types))
         # Built by the eager path on its first call (see eager.EagerPlan).
         self._eager_plan: EagerPlan | None = None
         # Built by capture on its first planned call (capture_plan.annotations).
@@ -217,7 +225,7 @@ class LocalMap:
 
 _OWN_FIELDS = frozenset(
     ("func", "out_placements", "in_placements", "in_grad_placements", "device_mesh",
-     "redistribute_inputs", "spmd_types", "out_specs", "param_names", "spec_annotation",
+     "redistribute_inputs", "spmd_types", "out_specs", "param_names", "spec_annotation", "config_text",
      "_eager_plan", "_capture_annotations")
 )
 

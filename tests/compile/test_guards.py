@@ -113,19 +113,19 @@ def test_in_place_update_of_an_input_behaves_as_in_eager():
 
 
 class _KwargBlock(torch.nn.Module):
-    """torchtitan's shape: a block that builds its own ``local_map`` and calls
-    it with a keyword argument (so capture takes its traced path)."""
+    """torchtitan's shape: a block that builds its own ``local_map``; not
+    ``planned``, it calls it with a keyword argument (capture's traced path),
+    else positionally with a non-tensor output (the planned path's traced exit)."""
 
-    def __init__(self, mesh, planned: bool) -> None:
+    def __init__(self, mesh, planned: bool, out=Shard(0), spmd_types: bool = False) -> None:
         super().__init__()
 
         def body(a, scale=1.0):
             return (a * scale, 3) if planned else a * scale
 
-        # planned: a non-tensor output sends the planned call back to the traced exit
-        out = ([Shard(0)], None) if planned else [Shard(0)]
-        self.inner = localmap_fx.local_map(body, out_placements=out, in_placements=([Shard(0)],),
-                                           device_mesh=mesh)
+        outs = ([out], None) if planned else [out]
+        self.inner = localmap_fx.local_map(body, out_placements=outs, in_placements=([Shard(0)],),
+                                           device_mesh=mesh, spmd_types=spmd_types)
         self.planned = planned
 
     def forward(self, x):
@@ -153,3 +153,25 @@ def test_regional_blocks_with_their_own_local_map_compile_once():
             for b in blocks:
                 x = b(x)
         assert len(be.graphs) == 1, planned
+
+
+def test_regional_blocks_whose_local_maps_differ_compile_apart():
+    """The negative of the test above (Note: [A call's plan depends on its
+    local_map] in capture/call.py): blocks of one class whose ``local_map``s
+    differ in placements or in ``spmd_types`` never share compiled code; each
+    gives eager's placements."""
+    m = mesh_1d()
+    x0 = distribute_tensor(torch.randn(8, 4), m, [Shard(0)])
+    for planned in (False, True):
+        for a, b in (({"out": Shard(0)}, {"out": Replicate()}), ({}, {"spmd_types": True})):
+            torch._dynamo.reset()
+            be = CountingBackend()
+            blocks = [_KwargBlock(m, planned, **kw) for kw in (a, b, a, b)]
+            eager = [blk(x0) for blk in blocks]
+            for blk in blocks:
+                blk.compile(backend=be)
+            got = [blk(x0) for blk in blocks]
+            assert len(be.graphs) == 2, (planned, a, b)
+            for e, g in zip(eager, got):
+                assert g.placements == e.placements, (planned, a, b)
+                assert torch.equal(g.to_local(), e.to_local())

@@ -392,3 +392,46 @@ def test_a_marked_body_that_conjugates_compiles_once_and_equals_eager(inner):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+class _ConfiguredMarkedBlock(torch.nn.Module):
+    """A marked block holding its own ``local_map``, whose output placement
+    is the instance's; ``planned``: called positionally (capture's planned
+    path), else with a keyword (its traced path)."""
+
+    def __init__(self, mesh, out, planned: bool) -> None:
+        super().__init__()
+
+        def body(a, scale=1.0):
+            return a * scale
+
+        self.mesh = mesh
+        self.planned = planned
+        self.inner = localmap_fx.local_map(body, out_placements=[out], in_placements=([Shard(0)],), device_mesh=mesh)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        y = self.inner(x) if self.planned else self.inner(x, scale=2.0)
+        return y.redistribute(self.mesh, [Shard(0)]) * 1.0
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_stamped_calls_of_blocks_whose_local_maps_differ_give_eager_values(planned):
+    """Note: [A call's plan depends on its local_map] (capture/call.py): a
+    marked block is stamped out for an instance only if that instance's
+    ``local_map`` is configured alike; one declaring another output placement
+    is traced again (with its plan, planned path: the wrong values before)."""
+    mesh = mesh_1d()
+    blocks = torch.nn.ModuleList(_ConfiguredMarkedBlock(mesh, out, planned)
+                                 for out in (Shard(0), Replicate(), Shard(0), Replicate()))
+    x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+
+    def run(x):
+        return [blk(x) for blk in blocks]
+
+    eager = run(x)
+    torch._dynamo.reset()
+    got = torch.compile(run, backend=localmap_fx.backend("aot_eager"), fullgraph=True)(x)
+    for e, g in zip(eager, got):
+        assert g.placements == e.placements
+        assert torch.equal(g.to_local(), e.to_local())
