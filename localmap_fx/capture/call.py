@@ -163,7 +163,7 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
     if exits is None or exits[0] is None:
         # outputs not planned: the traced exit, with the call's annotation
         # (None: this runs as Python after a graph break, and reads the object)
-        annotation = exits[1] if exits is not None else lm.built_spec_annotation()
+        annotation = exits[1] if exits is not None and exits[1] is not None else lm.built_spec_annotation()
         return _exit_traced(lm, annotation, out, mesh, input_shapes(args, enters, flat_local))
     single, exits = exits
     outs = (out,) if single else out

@@ -42,8 +42,9 @@ Note: [No DTensor at an automatic border]
     :data:`BORDER_OVERHEAD_S`, which "auto" weighs the same way.  Measured
     like :data:`PIECE_OVERHEAD_S`, on the torchtitan-style attention stack
     (``python -m benchmarks.sharing_overhead --attention``), shared minus
-    one graph per layer is -36 / -46 µs of CPU at 16 / 64 layers (and +52 /
-    +24 against one graph with its bodies outlined): the border's work is
+    one graph per layer is +4 / -29 µs of CPU at 16 / 64 layers, and +36 /
+    +30 against one graph with its bodies outlined (+52 in an earlier
+    run): the border's work is
     about what the pieces save in collectives (their backward sums a
     layer's gradient in one all_reduce where one graph, like eager, issues
     a reduce_scatter and two all_gathers: 31 collectives a step against 61
