@@ -38,11 +38,13 @@ Note: [Which calls are planned here]
     Only calls whose arguments are all tensors or Python constants (no
     pytree containers), whose ``in_placements`` is torch's flat form, whose
     sizes are static, and whose body returns one tensor or a tuple of
-    tensors.  The guards are unchanged: the plan depends on the inputs'
-    placements, meshes and shapes, which Dynamo guards on (DTensor inputs
-    carry their spec in the tensor guard) or traces itself (intermediate
-    DTensors).  Every other call returns ``None`` here and takes the traced
-    path, which handles every form.
+    tensors.  The plan depends on the inputs' placements, meshes and
+    shapes, which Dynamo guards on (DTensor inputs carry their spec in the
+    tensor guard) or traces itself (intermediate DTensors), and on the
+    ``local_map``'s configuration, which the traced code reads so that
+    Dynamo guards it too (Note: [A call's plan depends on its local_map] in
+    :mod:`.call`).  Every other call returns ``None`` here and takes the
+    traced path, which handles every form.
 """
 
 from __future__ import annotations
