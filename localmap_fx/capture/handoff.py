@@ -12,7 +12,10 @@ Note: [Handing a value from comptime back to the trace]
     through an ``assume_constant_result`` function (:func:`taken`), so the
     value enters the graph's Python as a constant.  Nothing runs in between,
     and a restarted trace reruns the comptime first, so the slot is never
-    stale.  An error found in comptime is handed over the same way
+    stale.  One slot serves every thread: Dynamo traces one frame at a time
+    in a process (``torch._dynamo.convert_frame.compile_lock``, held around
+    every trace), so no two traces ever share it at once.  An error found in
+    comptime is handed over the same way
     (:class:`Raise`) and raised by :func:`taken`, with the type and text
     eager raises.
 """

@@ -416,3 +416,54 @@ def test_back_to_back_outlined_regions_stay_separate():
     regions = localmap_fx.find_regions(final)
     assert len(regions) == 2 and all(r.outlined for r in regions)
     assert [n.op for n in final.graph.nodes].count("call_method") == 1  # one to_local left
+
+
+def test_frames_compiled_from_two_threads_get_their_own_plans():
+    # Capture hands each call's plan to the trace through one process-wide
+    # slot (Note: [Handing a value from comptime back to the trace]); Dynamo
+    # traces one frame at a time, so threads compiling at once never see
+    # each other's plans.
+    import threading
+
+    m = mesh_1d()
+
+    def make(placement, k):
+        @localmap_fx.local_map(out_placements=[placement], in_placements=([placement],), redistribute_inputs=True)
+        def body(a):
+            return a * k + 1
+
+        return body
+
+    bodies = {"shard": make(Shard(0), 2.0), "replicate": make(Replicate(), 3.0)}
+    x = distribute_tensor(torch.randn(8, 4), m, [Shard(0)])
+    expected = {name: body(x) for name, body in bodies.items()}
+    got: dict = {}
+    graphs: dict = {name: [] for name in bodies}
+    errors: list = []
+    barrier = threading.Barrier(len(bodies))
+
+    def work(name):
+        try:
+            inner = localmap_fx.backend("aot_eager")
+
+            def backend(gm, example_inputs):
+                graphs[name].append(gm)
+                return inner(gm, example_inputs)
+
+            f = torch.compile(lambda t: bodies[name](t), backend=backend)
+            barrier.wait()
+            got[name] = [f(x) for _ in range(3)]
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {name: len(gms) for name, gms in graphs.items()} == {name: 1 for name in bodies}
+    for name, outs in got.items():
+        for out in outs:
+            assert out.placements == expected[name].placements
+            torch.testing.assert_close(out.full_tensor(), expected[name].full_tensor(), rtol=0, atol=0)
