@@ -271,9 +271,10 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .timing import summary, time_paired
+    from .timing import pin_rank, summary, time_paired
 
     torch.set_num_threads(1)
+    pinned = pin_rank(rank, world_size) if cfg.get("pin", True) else None
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     shapes = cfg.get("shapes", SHAPES)
     out: dict = {}
@@ -306,6 +307,7 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
                                  cpu_clock="process_cpu")
             key = f"{style}/{n}"
             out[key] = {
+                "pinned_cpu": pinned,
                 "first_call_s": first,
                 "numerics_match": match,
                 "step_us": {c: {n_: summary(paired.per_call(n_, c)) for n_ in sides} for c in ("wall", "cpu")},
@@ -389,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="cold,steady,warm")
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--docs", default=None, help="also update DOCS/benchmarks.md and DOCS/benchmarks_depth.png")
+    p.add_argument("--no-pin", action="store_true", help="leave the gloo ranks unpinned (timing.pin_rank)")
     a = p.parse_args(argv)
-    cfg = QUICK if a.quick else FULL if a.full else DEFAULT
+    cfg = dict(QUICK if a.quick else FULL if a.full else DEFAULT, pin=not a.no_pin)
     only = set(a.only.split(",")) if a.only else None
     res = run(cfg, only)
     os.makedirs(a.out, exist_ok=True)

@@ -135,9 +135,10 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .timing import summary, time_paired
+    from .timing import pin_rank, summary, time_paired
 
     torch.set_num_threads(1)
+    pinned = pin_rank(rank, world_size) if cfg.get("pin", True) else None
     mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("tp",))
     out: dict = {}
     for n in cfg["depths"]:
@@ -159,6 +160,7 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
         paired = time_paired(sides, cfg["rounds"], cfg["calls"], warmup=1, sync=dist.barrier,
                              cpu_clock="process_cpu")
         out[str(n)] = {
+            "pinned_cpu": pinned,
             "numerics_match": match,
             "step_us": {c: {s: summary(paired.per_call(s, c)) for s in sides} for c in ("wall", "cpu")},
             "ratios": {c: {f"{a}/{b}": paired.ratios(a, b, c) for a, b in
@@ -170,7 +172,7 @@ def steady_ranks(rank: int, world_size: int, device: str, cfg: dict) -> dict:
 
 
 def run(depths: list[int], repeats: int, rounds: int, calls: int, shape: dict, only: set[str] | None,
-        log=print) -> dict:
+        log=print, pin: bool = True) -> dict:
     from localmap_fx.testing.dist import run_ranks
 
     from .run import _in_fresh_process, _loadavg
@@ -181,7 +183,7 @@ def run(depths: list[int], repeats: int, rounds: int, calls: int, shape: dict, o
         res["cold"] = _in_fresh_process(cold_worker, depths, repeats)
     if only is None or "steady" in only:
         log("[marked] steady step (2 gloo ranks) ...")
-        cfg = {"depths": depths, "rounds": rounds, "calls": calls, "shape": shape}
+        cfg = {"depths": depths, "rounds": rounds, "calls": calls, "shape": shape, "pin": pin}
         res["steady"] = run_ranks(steady_ranks, world_size=2, timeout=3000, args=(cfg,))[0]
     res["load_end"] = _loadavg()
     return res
@@ -244,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="cold,steady")
     p.add_argument("--quick", action="store_true", help="2 layers, one round: a smoke test")
     p.add_argument("--out", default="benchmarks/out")
+    p.add_argument("--no-pin", action="store_true", help="leave the gloo ranks unpinned (timing.pin_rank)")
     a = p.parse_args(argv)
     only = set(a.only.split(",")) if a.only else None
     if a.quick:
-        res = run([2], 1, 1, 1, {"batch": 8, "d": 16, "hidden": 32}, only)
+        res = run([2], 1, 1, 1, {"batch": 8, "d": 16, "hidden": 32}, only, pin=not a.no_pin)
     else:
-        res = run([int(x) for x in a.depths.split(",")], a.repeats, a.rounds, a.calls, SHAPE, only)
+        res = run([int(x) for x in a.depths.split(",")], a.repeats, a.rounds, a.calls, SHAPE, only, pin=not a.no_pin)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "marked.json"), "w") as f:
         json.dump(res, f, indent=1)
