@@ -186,8 +186,8 @@ def markdown(res: dict) -> str:
     out += _phase_table(res)
     load = f"load average at start {[round(x, 2) for x in res.get('load_start') or []]}, at end " \
            f"{[round(x, 2) for x in res.get('load_end') or []]}"
-    pinned = sorted({c.get("pinned_cpu") for c in (res.get("steady") or {}).values()} - {None})
-    ranks = "gloo ranks pinned to a CPU each" if pinned else "gloo ranks unpinned"
+    pinned = any(c.get("pinned_cpu") is not None for c in (res.get("steady") or {}).values())
+    ranks = "each gloo rank's Python thread pinned to a CPU" if pinned else "gloo ranks unpinned"
     out += ["", f"Run: `python -m benchmarks.depth_bench` ({'full' if res['config'].get('rounds') == 12 else 'default'} sweep), "
             f"{res.get('run_s', 0):.0f} s; {ranks}; {load}.", ""]
     return "\n".join(out)

@@ -26,15 +26,17 @@ CLOCKS = {"thread_cpu": time.thread_time, "process_cpu": time.process_time}
 
 
 def pin_rank(rank: int, world_size: int) -> int | None:
-    """Pin this rank's process to a CPU of its own; returns it, or None where
-    the process may use fewer CPUs than there are ranks (or cannot pin).
+    """Pin the calling thread (a rank's Python thread) to a CPU of its own;
+    returns it, or None where the process may use fewer CPUs than there are
+    ranks (or cannot pin).  Threads started before (gloo's, which start with
+    the process group) keep every CPU; threads started after inherit the pin.
 
     Why: with as many ranks as CPUs (2 gloo ranks on the 2-CPU machine), the
-    scheduler moves the ranks and their gloo threads between the CPUs, and
-    about half of an unpinned step is that (TP stack, 64 layers: upstream
-    whole 147 ms unpinned, 81-97 pinned); the ratios between ways moved
-    little, but a pinned step measures the ways' work, as a job with one
-    rank per device or socket runs.
+    scheduler moves the ranks' Python threads between the CPUs, and about
+    half of an unpinned step is that (TP stack, 64 layers: upstream whole
+    147 ms unpinned, 81-97 pinned); the ratios between ways moved little,
+    but a pinned step measures the ways' work, as a job with one rank per
+    device or socket runs.
     """
     import os
 

@@ -28,7 +28,7 @@ def test_paired_rounds_time_every_side_per_call():
     assert len(paired.ratios("a", "b", "cpu")) == 4
 
 
-def test_a_rank_is_pinned_to_a_cpu_of_its_own():
+def test_the_calling_thread_is_pinned_to_a_cpu_of_its_own():
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("this platform cannot pin a process to a CPU (no os.sched_setaffinity)")
     allowed = sorted(os.sched_getaffinity(0))
