@@ -120,6 +120,7 @@ def _check_meshes(lm: LocalMap, flat_args: list) -> None:
 
 
 def call_captured(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
+    _depends_on(lm.config_text)  # Note: [A call's plan depends on its local_map]
     if not kwargs:
         # the common call is planned in real Python (localmap_fx.capture.plan)
         comptime(plan_call)
@@ -137,7 +138,6 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
     per node group, the annotations built once per ``LocalMap``.
     """
     enters, body_annotation, spec, mesh_from = plan
-    _depends_on(lm.config_text)
     if body_annotation is None:
         # torch runs the function untouched when no DTensor is given: no region.
         return lm.func(*args)
@@ -180,7 +180,6 @@ def _call_planned(lm: LocalMap, args: tuple, plan: tuple) -> Any:
 
 def _call_traced(lm: LocalMap, args: tuple, kwargs: dict) -> Any:
     """Every other call: Dynamo traces the checks and the bookkeeping."""
-    _depends_on(lm.config_text)
     comptime(build_spec_annotation)  # reads the local ``lm``
     base = taken()  # Note: [The annotation enters the trace as a constant] (capture/plan.py)
     if base is None:
