@@ -65,6 +65,12 @@ class BackendOptions:
             Without it, the graphs behind the lean border and shared layer
             pieces still get stable Inductor FX graph cache keys, at no run
             time cost (Note: [Stable keys behind the border]).
+        lone_ops_as_aten: under inductor, an op with nothing to fuse with
+            (its neighbours are matrix products, attention, collectives or
+            graph inputs and outputs) runs as its ATen op instead of a
+            generated kernel, which would do the same work and cost a C++
+            (or Triton) compile at cold start (default True; Note: [A lone
+            op runs as its ATen op] in :mod:`localmap_fx.passes.lone_ops`).
     """
 
     inner: str = "inductor"
@@ -77,6 +83,7 @@ class BackendOptions:
     share_layers: bool | str = "auto"
     lean_border: bool = True
     stable_cache_keys: bool = False
+    lone_ops_as_aten: bool = True
 
     @property
     def uses_lean_border(self) -> bool:

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.passes.outline_regions",
         "localmap_fx.passes.fuse_boundaries",
         "localmap_fx.passes.hoist_subgraph_views",
+        "localmap_fx.passes.lone_ops",
         "localmap_fx.layer_sharing.find",
         "localmap_fx.layer_sharing.decide",
         "localmap_fx.layer_sharing.borders",
