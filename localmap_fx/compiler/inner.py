@@ -91,9 +91,9 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
               keep: Kept = None, backward_passes: Passes = ()):
-    import torch
-
     import contextlib
+
+    import torch
 
     from .._torch_compat import compile_fx, compile_fx_inner, functorch_config, inductor_config
     from ..graph_utils import calls_invoke_subgraph

@@ -52,8 +52,8 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import OpOverload, is_view_op
-from ..graph_utils import funcol_op, node_value
 from ..debug.logs import LOG_NAME
+from ..graph_utils import funcol_op, node_value
 from . import PassResult
 
 __all__ = ["MARK", "find_lone_ops", "mark_for_inductor", "lone_ops_to_aten", "log_lone_ops"]
