@@ -124,6 +124,11 @@ SYMBOLS: tuple[Symbol, ...] = (
            "the cacheable DTensor border's gradient files live beside torch's caches"),
     Symbol("compile_fx_inner", "torch._inductor.compile_fx", "compile_fx_inner", CHECKED,
            "the inductor inner compiler, forward and backward graphs"),
+    Symbol("CustomGraphPass", "torch._inductor.custom_graph_pass", "CustomGraphPass", CHECKED,
+           "lone ops are found after Inductor's post-grad passes (config post_grad_custom_post_pass, "
+           "with fallback_by_default; passes/lone_ops.py)"),
+    Symbol("get_hash_for_files", "torch._inductor.custom_graph_pass", "get_hash_for_files", CHECKED,
+           "the lone-op pass's cache uuid: the hash of its source file"),
     Symbol("FxGraphCache", "torch._inductor.codecache", "FxGraphCache", CHECKED,
            "a compiled layer restored in a new process loads its graphs by the keys its first compile got"),
     Symbol("CompiledFxGraphConstants", "torch._inductor.output_code", "CompiledFxGraphConstants", CHECKED,
@@ -295,6 +300,7 @@ if TYPE_CHECKING:
     from torch._inductor.async_compile import CompiledTritonKernels
     from torch._inductor.codecache import FxGraphCache
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
     from torch._inductor.output_code import CompiledFxGraphConstants
     from torch._inductor.utils import BoxedBool
     from torch._logging import getArtifactLogger, trace_structured

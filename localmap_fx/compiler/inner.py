@@ -95,11 +95,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
 
     import torch
 
-    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config, inductor_config
+    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
     from ..graph_utils import calls_invoke_subgraph
     from ..passes import run_passes
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
-    from ..passes.lone_ops import log_lone_ops, lone_ops_to_aten
+    from ..passes.lone_ops import compiling_lone_ops_as_aten
     from . import cache_keys
 
     @torch.compiler.disable(reason="compiling a graph is no user code")  # Note: [A lazy backward compile is no frame for Dynamo]
@@ -111,12 +111,10 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         g = run_passes(g, [hoist_subgraph_views, *(backward_passes if kind == "backward" else ())])
         # a backward pass may add placeholders after the others (hoist_tangent_reductions): their examples
         inputs = [*inputs, *(n.meta["val"] for n in list(g.graph.find_nodes(op="placeholder"))[len(inputs):])]
-        # Note: [A lone op runs as its ATen op] (passes/lone_ops.py)
-        g, lone = lone_ops_to_aten(g) if opts.lone_ops_as_aten else (g, ())
         observer.aot_graph(kind, g)
-        with inductor_config.patch(fallback_by_default=True) if lone else contextlib.nullcontext():
+        # Note: [A lone op runs as its ATen op] (passes/lone_ops.py)
+        with compiling_lone_ops_as_aten() if opts.lone_ops_as_aten else contextlib.nullcontext():
             compiled = compile_fx_inner(g, inputs, **kwargs)
-        log_lone_ops(kind, lone)
         observer.inner_output(kind, compiled)
         if keep is not None:
             keep.append(AotGraph(kind, g, compiled))

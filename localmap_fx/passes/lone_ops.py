@@ -1,7 +1,8 @@
 """Ops with nothing to fuse with run as their ATen op inside an Inductor graph.
 
-Runs on the AOTAutograd forward and backward graphs, just before Inductor
-(``compiler/inner.py``), after ``hoist_subgraph_views``.
+Runs inside Inductor, on each graph it is about to lower: the last of its
+post-grad passes (``config.post_grad_custom_post_pass``), set for the
+compiles of ``compiler/inner.py`` by :func:`compiling_lone_ops_as_aten`.
 
 Note: [A lone op runs as its ATen op]
     Inductor turns every op it lowers into generated code, and on CPU each
@@ -10,28 +11,36 @@ Note: [A lone op runs as its ATen op]
     Code generation pays off when it fuses ops: one loop instead of
     several passes over memory.  An op whose neighbours are all matrix
     products, attention, collectives or graph inputs and outputs (a TP
-    block's ``relu`` between two ``mm``, its residual ``add``, the
-    ``threshold_backward`` of its backward) fuses with nothing: its kernel
-    does what the ATen op does, and the C++ file is all it adds.  Such an
-    op is *lone* (:func:`find_lone_ops`): a non-view ATen op with a tensor
-    result that reads no value another fusible op produced and feeds no
-    fusible op, looking through views (free in Inductor) and ``getitem``.
-    Every other node is marked to be compiled (:func:`mark_for_inductor`)
-    and the graph is compiled under Inductor's ``fallback_by_default`` (the
-    switch of its "lite" mode: an unmarked op runs as its ATen op through
-    Inductor's own fallback kernel), so only the lone ops change.
+    block's ``relu`` between two ``mm``, its residual ``add``) fuses with
+    nothing: its kernel does what the ATen op does, and the C++ file is all
+    it adds.  Such an op is *lone* (:func:`find_lone_ops`): a non-view ATen
+    op with a tensor result that reads no value another fusible op produced
+    and feeds no fusible op, looking through views (free in Inductor) and
+    ``getitem``.  Every other node is marked to be compiled
+    (:func:`mark_for_inductor`) and the graph is lowered under Inductor's
+    ``fallback_by_default`` (the switch of its "lite" mode: an unmarked op
+    runs as its ATen op through Inductor's own fallback kernel), so only the
+    lone ops change, and their results are eager's.
+
+    The marks are made after Inductor's own post-grad passes, on the graph
+    it lowers: a pattern those passes rewrite (``mm`` + ``add`` into
+    ``addmm``) gives new nodes, which a mark made earlier would miss and
+    which would then run as ATen ops.  The pass carries a cache uuid (the
+    hash of this file), so Inductor's FX graph cache keeps working.  With
+    ``use_post_grad_passes`` off no pass runs, and nothing is switched.
 
     Kept in Inductor whatever their neighbours: ops that write an argument
     (``copy_`` into a mutated input), random ops (Inductor's random
     numbers are not ATen's) and ops outside ``aten``.  An op this module
     does not know as a matrix product, attention or collective counts as
-    fusible, so its neighbours stay in Inductor as before.  The lone op's
-    result is ATen's, as eager computes it.
+    fusible, so its neighbours stay in Inductor as before.  An op that
+    reaches Inductor decomposed into a group that fuses keeps its kernel
+    (the backward's ``threshold_backward`` arrives as ``le`` + ``where``):
+    three ATen calls would cost the step what one fused kernel saves.
 
-    The 64-layer TP stack (``python -m benchmarks.marked_bench --only cold``)
-    has only lone ops: its marked compile went from 2.7-3.3 s to 1.5-1.8 s
-    wall, and its step did not change (fake group and real layer sizes,
-    ``docs/benchmarks.md``)::
+    The 64-layer TP stack's layer piece had four kernels and keeps one (the
+    ``threshold_backward`` group): ``docs/benchmarks.md`` (session 24) gives
+    the cold compiles and steps before and after::
 
         before (Inductor)                          after
         -----------------                          -----
@@ -44,19 +53,20 @@ Note: [A lone op runs as its ATen op]
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .._torch_compat import OpOverload, is_view_op
+from .._torch_compat import CustomGraphPass, OpOverload, get_hash_for_files, inductor_config, is_view_op
 from ..debug.logs import LOG_NAME
 from ..graph_utils import funcol_op, node_value
-from . import PassResult
 
-__all__ = ["MARK", "find_lone_ops", "mark_for_inductor", "lone_ops_to_aten", "log_lone_ops"]
+__all__ = ["MARK", "LoneOpsToAten", "compiling_lone_ops_as_aten", "find_lone_ops", "mark_for_inductor"]
 
 log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
@@ -137,36 +147,38 @@ def find_lone_ops(graph: fx.Graph) -> tuple[fx.Node, ...]:
                  and not any(_fuses(r) for r in _readers(n)))
 
 
-def _graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
-    # nested subgraphs (an invoke_subgraph body) are lowered under the same switch
-    for m in gm.modules():
-        if isinstance(m, fx.GraphModule):
-            yield m
+def mark_for_inductor(graph: fx.Graph, lone: frozenset[fx.Node]) -> None:
+    """Mark every op of ``graph`` but ``lone`` to be compiled by Inductor (``node.meta`` only).
+
+    Inductor's interface for a post-grad pass (``Graph -> None``, edited in
+    place); a nested subgraph is its own graph, handed to the pass apart."""
+    for n in graph.nodes:
+        if n.op == "call_function" and n not in lone:
+            n.meta["custom"] = {**n.meta.get("custom", {}), MARK: "localmap_fx"}
 
 
-def mark_for_inductor(gm: fx.GraphModule, lone: frozenset[fx.Node]) -> PassResult:
-    """Mark every op of ``gm`` and its subgraphs but ``lone`` to be compiled by Inductor.
+class LoneOpsToAten(CustomGraphPass):
+    """Inductor's last post-grad pass: mark all but the lone ops (Note: [A lone op runs as its ATen op])."""
 
-    Only ``node.meta`` changes (the code stays): the result lists no changed module."""
-    for m in _graph_modules(gm):
-        for n in m.graph.nodes:
-            if n.op == "call_function" and n not in lone:
-                n.meta["custom"] = {**n.meta.get("custom", {}), MARK: "localmap_fx"}
-    return PassResult(gm)
+    def __call__(self, graph: fx.Graph) -> None:
+        lone = find_lone_ops(graph)
+        mark_for_inductor(graph, frozenset(lone))
+        if lone and log.isEnabledFor(logging.INFO):
+            log.info("graph of %d nodes: %d lone op(s) run as ATen ops, no kernel generated: %s",
+                     len(graph.nodes), len(lone), ", ".join(sorted({str(n.target) for n in lone})))
 
-
-def lone_ops_to_aten(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[fx.Node, ...]]:
-    """(``gm`` marked, its lone ops): compile ``gm`` under ``fallback_by_default`` when any op is lone.
-
-    With no lone op, ``gm`` is returned unmarked: it compiles exactly as before."""
-    lone = tuple(n for m in _graph_modules(gm) for n in find_lone_ops(m.graph))
-    if lone:
-        mark_for_inductor(gm, frozenset(lone))
-    return gm, lone
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
 
 
-def log_lone_ops(kind: str, lone: tuple[fx.Node, ...]) -> None:
-    """Log (``TORCH_LOGS=localmap_fx``) which ops of a compiled AOT graph ran as ATen ops."""
-    if lone and log.isEnabledFor(logging.INFO):
-        log.info("%s graph: %d lone op(s) run as ATen ops, no kernel generated: %s", kind, len(lone),
-                 ", ".join(sorted({str(n.target) for n in lone})))
+_PASS = LoneOpsToAten()
+
+
+def compiling_lone_ops_as_aten() -> contextlib.AbstractContextManager:
+    """Scope in which Inductor runs lone ops as ATen ops: ``fallback_by_default`` on, and
+    :class:`LoneOpsToAten` after the post-grad passes already set (a user's are kept)."""
+    if not inductor_config.use_post_grad_passes:
+        return contextlib.nullcontext()  # no post-grad pass would mark anything
+    current = inductor_config.post_grad_custom_post_pass
+    passes = tuple(current) if isinstance(current, (list, tuple)) else ((current,) if current is not None else ())
+    return inductor_config.patch(fallback_by_default=True, post_grad_custom_post_pass=(*passes, _PASS))

@@ -1,8 +1,9 @@
-"""``passes/lone_ops.py``: which ops of an AOT graph have nothing to fuse with
-(finding), and the marks that keep every other op in Inductor (rewriting).
+"""``passes/lone_ops.py``: which ops of a graph Inductor lowers have nothing to
+fuse with (finding), the marks that keep every other op in Inductor
+(rewriting), and the scope that installs the pass.
 
-Graphs are traced with ``make_fx`` at the ATen level, as AOTAutograd hands
-them to Inductor; the collective graph is built by hand (no process group).
+Graphs are traced with ``make_fx`` at the ATen level, as Inductor lowers
+them; the collective graph is built by hand (no process group).
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from localmap_fx.passes.lone_ops import MARK, find_lone_ops, lone_ops_to_aten, mark_for_inductor
+from localmap_fx._torch_compat import inductor_config
+from localmap_fx.passes.lone_ops import (
+    MARK,
+    LoneOpsToAten,
+    compiling_lone_ops_as_aten,
+    find_lone_ops,
+    mark_for_inductor,
+)
 
 
 def _x():
@@ -95,7 +103,7 @@ def test_every_other_node_is_marked_and_existing_marks_kept():
     mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
     mm.meta["custom"] = {"user": 1}
     lone = frozenset(find_lone_ops(gm.graph))
-    mark_for_inductor(gm, lone)
+    mark_for_inductor(gm.graph, lone)
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -103,21 +111,34 @@ def test_every_other_node_is_marked_and_existing_marks_kept():
     assert mm.meta["custom"]["user"] == 1
 
 
-def test_subgraph_nodes_are_marked_too():
-    # an invoke_subgraph body is lowered under the same fallback switch
-    outer = make_fx(lambda x, w1, w2: torch.relu(x @ w1) @ w2 + x)(*_x())
-    body = make_fx(lambda a: (a * 2).sin())(torch.randn(3))
-    outer.add_submodule("body", body)
-    lone = frozenset(find_lone_ops(outer.graph))
-    mark_for_inductor(outer, lone)
-    assert all(MARK in n.meta.get("custom", {}) for n in body.graph.nodes if n.op == "call_function")
-
-
-def test_a_graph_without_lone_ops_is_left_unmarked():
+def test_the_pass_marks_a_graph_without_lone_ops_whole():
+    # under fallback_by_default an unmarked op would run as ATen: every op is marked
     gm = make_fx(lambda x, w1, w2: (torch.relu(x @ w1) * 2) @ w2)(*_x())
-    out, lone = lone_ops_to_aten(gm)
-    assert out is gm and lone == ()
-    assert not any("custom" in n.meta for n in gm.graph.nodes)
+    LoneOpsToAten()(gm.graph)
+    assert all(MARK in n.meta["custom"] for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_the_pass_has_a_stable_cache_uuid():
+    assert LoneOpsToAten().uuid() == LoneOpsToAten().uuid() is not None
+
+
+def test_the_scope_keeps_a_users_post_grad_pass_and_restores_the_config():
+    def users_pass(graph):
+        pass
+
+    before = (inductor_config.fallback_by_default, inductor_config.post_grad_custom_post_pass)
+    with inductor_config.patch(post_grad_custom_post_pass=users_pass):
+        with compiling_lone_ops_as_aten():
+            passes = inductor_config.post_grad_custom_post_pass
+            assert inductor_config.fallback_by_default is True
+            assert passes[0] is users_pass and isinstance(passes[1], LoneOpsToAten)
+    assert (inductor_config.fallback_by_default, inductor_config.post_grad_custom_post_pass) == before
+
+
+def test_without_post_grad_passes_nothing_is_switched():
+    # no pass would mark a node, and every op would run as ATen
+    with inductor_config.patch(use_post_grad_passes=False), compiling_lone_ops_as_aten():
+        assert inductor_config.fallback_by_default is False
 
 
 def test_getitem_is_looked_through():
