@@ -130,9 +130,12 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     gm, inputs, lifted = (cache_keys.lift_meshes(gm, example_inputs) if keep is None and opts.stable_cache_keys
                           else (gm, list(example_inputs), ()))
     before = cache_keys.CacheCounts.now()
+    # also around AOTAutograd, whose cache key then holds the switch and the pass's
+    # uuid; inner_compile sets it again for a backward compiled lazily, later
+    lone_ops = compiling_lone_ops_as_aten() if opts.lone_ops_as_aten else contextlib.nullcontext()
     with _backward_now(keep), functorch_config.patch(
             enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
-            cache_keys.marked_cacheable(bool(lifted)):
+            cache_keys.marked_cacheable(bool(lifted)), lone_ops:
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled

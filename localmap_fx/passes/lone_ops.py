@@ -176,9 +176,14 @@ _PASS = LoneOpsToAten()
 
 def compiling_lone_ops_as_aten() -> contextlib.AbstractContextManager:
     """Scope in which Inductor runs lone ops as ATen ops: ``fallback_by_default`` on, and
-    :class:`LoneOpsToAten` after the post-grad passes already set (a user's are kept)."""
+    :class:`LoneOpsToAten` after the post-grad passes already set (a user's are kept).
+
+    Entered around AOTAutograd too, so its cache key holds both (a process with
+    ``lone_ops_as_aten=False`` is not served this compile); nested, it changes nothing."""
     if not inductor_config.use_post_grad_passes:
         return contextlib.nullcontext()  # no post-grad pass would mark anything
     current = inductor_config.post_grad_custom_post_pass
     passes = tuple(current) if isinstance(current, (list, tuple)) else ((current,) if current is not None else ())
+    if _PASS in passes:
+        return contextlib.nullcontext()  # already inside the scope (a lazily compiled backward's)
     return inductor_config.patch(fallback_by_default=True, post_grad_custom_post_pass=(*passes, _PASS))

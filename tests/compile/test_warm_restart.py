@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: bool = True,
-            style: str = "module") -> None:
+            style: str = "module", lone: bool = True) -> None:
     """One compile of the TP stack (``style="attention"``: the attention stack)
     in this (fresh) process; prints a JSON line."""
     import torch
@@ -54,7 +54,8 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: 
         model = TPStack(mesh, n_layers, d=16, hidden=32, impl=impl, marked=mode == "marked")
         x = tp_stack_input(mesh, batch=8, d=16)
     f: Any
-    be = localmap_fx.backend(stable_cache_keys=stable, share_layers=True if mode == "shared" else "auto")
+    be = localmap_fx.backend(stable_cache_keys=stable, share_layers=True if mode == "shared" else "auto",
+                             lone_ops_as_aten=lone)
     if mode == "regional":
         for block in model.blocks:
             block.compile(backend=be)  # one backend object: Dynamo guards on its identity
@@ -88,10 +89,10 @@ def _worker(mode: str, n_layers: int, steps: int, save: str, load: str, stable: 
 
 
 def _run(mode: str, cache_dir: str, n_layers: int = 2, steps: int = 1, save: str = "", load: str = "",
-         stable: bool = True, style: str = "module") -> dict:
+         stable: bool = True, style: str = "module", lone: bool = True) -> dict:
     code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests', 'compile')!r})\n"
             "from test_warm_restart import _worker\n"
-            f"_worker({mode!r}, {n_layers}, {steps}, {save!r}, {load!r}, {stable!r}, {style!r})\n")
+            f"_worker({mode!r}, {n_layers}, {steps}, {save!r}, {load!r}, {stable!r}, {style!r}, {lone!r})\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
@@ -217,6 +218,22 @@ def test_default_options_hit_both_caches_for_a_whole_model_in_a_new_process(pair
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
     assert len(os.listdir(os.path.join(pair.cache, "localmap_fx", "border_grads"))) == 1
     _same_numbers(cold, warm)
+
+
+@pytest.mark.slow
+def test_a_process_without_lone_ops_as_aten_is_not_served_their_compile(pairs, tmp_path):
+    """The lone-op switch and pass are in AOTAutogradCache's key (Note: [A lone
+    op runs as its ATen op]): over a copy of a folder a default process filled,
+    a process with ``lone_ops_as_aten=False`` misses and compiles its own."""
+    import shutil
+
+    pair = pairs("whole", stable=False)
+    cache = str(tmp_path / "cache")
+    shutil.copytree(pair.cache, cache)
+    other = _run("whole", cache, n_layers=3, stable=False, lone=False)
+    assert other["aot"].get("autograd_cache_hit", 0) == 0 and other["aot"].get("autograd_cache_miss", 0) >= 1, other
+    assert other["losses"] == pytest.approx(pair.cold["losses"], rel=1e-5)
+    assert other["grads"] == pytest.approx(pair.cold["grads"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -135,6 +135,12 @@ def test_the_scope_keeps_a_users_post_grad_pass_and_restores_the_config():
     assert (inductor_config.fallback_by_default, inductor_config.post_grad_custom_post_pass) == before
 
 
+def test_the_scope_nested_adds_the_pass_once():
+    with compiling_lone_ops_as_aten(), compiling_lone_ops_as_aten():
+        passes = inductor_config.post_grad_custom_post_pass
+        assert sum(isinstance(p, LoneOpsToAten) for p in passes) == 1
+
+
 def test_without_post_grad_passes_nothing_is_switched():
     # no pass would mark a node, and every op would run as ATen
     with inductor_config.patch(use_post_grad_passes=False), compiling_lone_ops_as_aten():
