@@ -157,3 +157,11 @@ def test_getitem_is_looked_through():
     for n in (pair, sub):
         n.meta["val"] = torch.empty(4, 4)
     assert find_lone_ops(g) == ()
+
+
+def test_every_extern_name_is_an_aten_op():
+    # a name torch renamed would silently count its op as fusible (the safe side), and
+    # its neighbours would keep their kernels: a torch upgrade shows it here
+    from localmap_fx.passes.lone_ops import _EXTERN_ATEN
+
+    assert [n for n in sorted(_EXTERN_ATEN) if not hasattr(torch.ops.aten, n)] == []
