@@ -38,7 +38,7 @@ Note: [A lone op runs as its ATen op]
     (the backward's ``threshold_backward`` arrives as ``le`` + ``where``):
     three ATen calls would cost the step what one fused kernel saves.
 
-    The 64-layer TP stack's layer piece had four kernels and keeps one (the
+    The 64-layer TP stack's layer piece had three kernels and keeps one (the
     ``threshold_backward`` group): ``docs/benchmarks.md`` (session 24) gives
     the cold compiles and steps before and after::
 
