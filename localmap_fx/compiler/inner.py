@@ -91,8 +91,6 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendO
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, observer: Observer,
               keep: Kept = None, backward_passes: Passes = ()):
-    import contextlib
-
     import torch
 
     from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
@@ -113,7 +111,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         inputs = [*inputs, *(n.meta["val"] for n in list(g.graph.find_nodes(op="placeholder"))[len(inputs):])]
         observer.aot_graph(kind, g)
         # Note: [A lone op runs as its ATen op] (passes/lone_ops.py)
-        with compiling_lone_ops_as_aten() if opts.lone_ops_as_aten else contextlib.nullcontext():
+        with compiling_lone_ops_as_aten(opts.lone_ops_as_aten):
             compiled = compile_fx_inner(g, inputs, **kwargs)
         observer.inner_output(kind, compiled)
         if keep is not None:
@@ -132,10 +130,9 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     before = cache_keys.CacheCounts.now()
     # also around AOTAutograd, whose cache key then holds the switch and the pass's
     # uuid; inner_compile sets it again for a backward compiled lazily, later
-    lone_ops = compiling_lone_ops_as_aten() if opts.lone_ops_as_aten else contextlib.nullcontext()
     with _backward_now(keep), functorch_config.patch(
             enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
-            cache_keys.marked_cacheable(bool(lifted)), lone_ops:
+            cache_keys.marked_cacheable(bool(lifted)), compiling_lone_ops_as_aten(opts.lone_ops_as_aten):
         compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled

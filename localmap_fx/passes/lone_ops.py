@@ -174,12 +174,15 @@ class LoneOpsToAten(CustomGraphPass):
 _PASS = LoneOpsToAten()
 
 
-def compiling_lone_ops_as_aten() -> contextlib.AbstractContextManager:
+def compiling_lone_ops_as_aten(on: bool = True) -> contextlib.AbstractContextManager:
     """Scope in which Inductor runs lone ops as ATen ops: ``fallback_by_default`` on, and
-    :class:`LoneOpsToAten` after the post-grad passes already set (a user's are kept).
+    :class:`LoneOpsToAten` after the post-grad passes already set (a user's are kept);
+    ``on=False`` (``lone_ops_as_aten=False``): no change.
 
     Entered around AOTAutograd too, so its cache key holds both (a process with
     ``lone_ops_as_aten=False`` is not served this compile); nested, it changes nothing."""
+    if not on:
+        return contextlib.nullcontext()
     if not inductor_config.use_post_grad_passes:
         return contextlib.nullcontext()  # no post-grad pass would mark anything
     current = inductor_config.post_grad_custom_post_pass

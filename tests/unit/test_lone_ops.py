@@ -141,6 +141,12 @@ def test_the_scope_nested_adds_the_pass_once():
         assert sum(isinstance(p, LoneOpsToAten) for p in passes) == 1
 
 
+def test_the_scope_turned_off_switches_nothing():
+    with compiling_lone_ops_as_aten(False):
+        assert inductor_config.fallback_by_default is False
+        assert not any(isinstance(p, LoneOpsToAten) for p in (inductor_config.post_grad_custom_post_pass or ()))
+
+
 def test_without_post_grad_passes_nothing_is_switched():
     # no pass would mark a node, and every op would run as ATen
     with inductor_config.patch(use_post_grad_passes=False), compiling_lone_ops_as_aten():
