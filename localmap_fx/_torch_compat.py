@@ -129,6 +129,13 @@ SYMBOLS: tuple[Symbol, ...] = (
            "with fallback_by_default; passes/lone_ops.py)"),
     Symbol("get_hash_for_files", "torch._inductor.custom_graph_pass", "get_hash_for_files", CHECKED,
            "the lone-op pass's cache uuid: the hash of its source file"),
+    Symbol("select_decomp_table", "torch._inductor.decomposition", "select_decomp_table", CHECKED,
+           "Inductor's decomposition table: AOTAutograd gets it without the pointwise ops decomposed late "
+           "(passes/late_decompositions.py), and those are decomposed with it"),
+    Symbol("inductor_lowerings", "torch._inductor.lowering", "lowerings", CHECKED,
+           "an op Inductor lowers itself is never held back from AOTAutograd's decompositions"),
+    Symbol("enable_python_dispatcher", "torch._dispatch.python", "enable_python_dispatcher", CHECKED,
+           "a late decomposition is traced as Inductor traces its patterns"),
     Symbol("FxGraphCache", "torch._inductor.codecache", "FxGraphCache", CHECKED,
            "a compiled layer restored in a new process loads its graphs by the keys its first compile got"),
     Symbol("CompiledFxGraphConstants", "torch._inductor.output_code", "CompiledFxGraphConstants", CHECKED,

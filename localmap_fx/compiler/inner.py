@@ -93,11 +93,11 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
               keep: Kept = None, backward_passes: Passes = ()):
     import torch
 
-    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config
+    from .._torch_compat import compile_fx, compile_fx_inner, functorch_config, select_decomp_table
     from ..graph_utils import calls_invoke_subgraph
     from ..passes import run_passes
     from ..passes.hoist_subgraph_views import hoist_subgraph_views
-    from ..passes.lone_ops import compiling_lone_ops_as_aten
+    from ..passes.lone_ops import aot_decompositions, compiling_lone_ops_as_aten
     from . import cache_keys
 
     @torch.compiler.disable(reason="compiling a graph is no user code")  # Note: [A lazy backward compile is no frame for Dynamo]
@@ -112,6 +112,10 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
         observer.aot_graph(kind, g)
         # Note: [A lone op runs as its ATen op] (passes/lone_ops.py)
         with compiling_lone_ops_as_aten(opts.lone_ops_as_aten):
+            # Inductor's own decomposition getter for its own tracing (patterns, fallbacks):
+            # the FX graph cache pickles it, and a table of functions is no stable key (a
+            # bypass); the table AOTAutograd got already shaped the graph hashed here
+            kwargs = {**kwargs, "get_decomp_fn": select_decomp_table} if "get_decomp_fn" in kwargs else kwargs
             compiled = compile_fx_inner(g, inputs, **kwargs)
         observer.inner_output(kind, compiled)
         if keep is not None:
@@ -133,7 +137,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOp
     with _backward_now(keep), functorch_config.patch(
             enable_autograd_cache=functorch_config.enable_autograd_cache and not no_aot_cache), \
             cache_keys.marked_cacheable(bool(lifted)), compiling_lone_ops_as_aten(opts.lone_ops_as_aten):
-        compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+        compiled = compile_fx(gm, inputs, inner_compile=inner_compile, decompositions=aot_decompositions())
     cache_keys.log_counts(f"graph of {len(inputs)} inputs", before, lifted)
     return cache_keys.without_meshes(compiled, lifted, len(example_inputs)) if lifted else compiled
 

@@ -65,8 +65,10 @@ import torch.fx as fx
 from .._torch_compat import CustomGraphPass, OpOverload, get_hash_for_files, inductor_config, is_view_op
 from ..debug.logs import LOG_NAME
 from ..graph_utils import funcol_op, node_value
+from . import late_decompositions
 
-__all__ = ["MARK", "LoneOpsToAten", "compiling_lone_ops_as_aten", "find_lone_ops", "mark_for_inductor"]
+__all__ = ["MARK", "LoneOpsToAten", "aot_decompositions", "compiling_lone_ops_as_aten", "find_lone_ops",
+           "mark_for_inductor"]
 
 log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
@@ -162,13 +164,16 @@ class LoneOpsToAten(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         lone = find_lone_ops(graph)
+        # Note: [A pointwise op decomposes only where it fuses] (late_decompositions.py)
+        late_decompositions.decompose(graph, [n for n in graph.nodes
+                                              if late_decompositions.is_held_back(n) and n not in lone])
         mark_for_inductor(graph, frozenset(lone))
         if lone and log.isEnabledFor(logging.INFO):
             log.info("graph of %d nodes: %d lone op(s) run as ATen ops, no kernel generated: %s",
                      len(graph.nodes), len(lone), ", ".join(sorted({str(n.target) for n in lone})))
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, late_decompositions.__file__))
 
 
 _PASS = LoneOpsToAten()
@@ -190,3 +195,17 @@ def compiling_lone_ops_as_aten(on: bool = True) -> contextlib.AbstractContextMan
     if _PASS in passes:
         return contextlib.nullcontext()  # already inside the scope (a lazily compiled backward's)
     return inductor_config.patch(fallback_by_default=True, post_grad_custom_post_pass=(*passes, _PASS))
+
+
+def _in_scope() -> bool:
+    current = inductor_config.post_grad_custom_post_pass
+    passes = tuple(current) if isinstance(current, (list, tuple)) else (current,)
+    return bool(inductor_config.fallback_by_default) and _PASS in passes
+
+
+def aot_decompositions() -> dict | None:
+    """The decomposition table ``compile_fx`` hands AOTAutograd: inside
+    :func:`compiling_lone_ops_as_aten`, Inductor's without the ops the pass
+    decomposes only where they fuse (Note: [A pointwise op decomposes only where
+    it fuses]); outside it, None (Inductor's own)."""
+    return late_decompositions.aot_table() if _in_scope() else None

@@ -5,8 +5,9 @@ nothing to fuse with (``relu`` between the products, the residual ``add``):
 compiled with the default options its layer piece generates no kernel for
 them, and its loss and gradients equal eager's (the ATen ops eager runs);
 with ``lone_ops_as_aten=False`` Inductor generates their kernels as before.
-The backward's ``threshold_backward`` reaches Inductor decomposed into a
-group that fuses (``le``, ``where``), so it keeps its kernel.  Cold compile
+The backward's ``threshold_backward`` (relu's gradient, between two matrix
+products) is held back from AOTAutograd's decompositions and is lone too
+(Note: [A pointwise op decomposes only where it fuses]).  Cold compile
 times live in ``benchmarks/marked_bench.py`` and ``benchmarks/depth_bench.py``.
 """
 
@@ -55,9 +56,9 @@ def test_lone_ops_generate_no_kernel_and_give_eager_values(marked):
     got, kernels, model, x = _step({"share_layers": True}, marked)
     before, kernels_before, _, _ = _step({"share_layers": True, "lone_ops_as_aten": False}, marked)
     ref = _eager(model, x)
-    # the layer: forward relu + add (lone: no kernel), backward the threshold_backward group
-    # (fused: one kernel); the loss piece skips Inductor (no matrix product)
-    assert (kernels, kernels_before) == (1, 3)
+    # the layer: forward relu + add, backward threshold_backward, all lone: no kernel (before:
+    # one each, the backward's decomposed into le + where); the loss piece skips Inductor
+    assert (kernels, kernels_before) == (0, 3)
     for a, b, r in zip(got, before, ref):
         torch.testing.assert_close(a.to_local(), r.to_local(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b.to_local(), r.to_local(), rtol=1e-5, atol=1e-5)
@@ -67,7 +68,56 @@ def test_the_log_names_the_lone_ops(caplog):
     with caplog.at_level(logging.INFO, logger="localmap_fx.lone_ops"):
         _step({"share_layers": True}, True)
     lines = [r.getMessage() for r in caplog.records if r.name == "localmap_fx.lone_ops"]
-    # the layer piece's forward (relu, add); its backward's add became an addmm in Inductor's
-    # post-grad passes, before the lone ops are found; the loss piece skips Inductor
+    # the layer piece's forward (relu, add), then its backward (threshold_backward; its add
+    # became an addmm in Inductor's post-grad passes, before the lone ops are found); the loss
+    # piece skips Inductor
     assert lines == ["graph of 13 nodes: 2 lone op(s) run as ATen ops, no kernel generated: "
-                     "aten.add.Tensor, aten.relu.default"], lines
+                     "aten.add.Tensor, aten.relu.default",
+                     "graph of 13 nodes: 1 lone op(s) run as ATen ops, no kernel generated: "
+                     "aten.threshold_backward.default"], lines
+
+
+def _gelu_kernels(fused: bool, on: bool):
+    """Kernel names and gradients of ``gelu`` between two matrix products (``fused``: times 2 after it)."""
+    import re
+
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(16, 32, generator=gen, requires_grad=True)
+    w2 = torch.randn(32, 16, generator=gen, requires_grad=True)
+    x = torch.randn(8, 16, generator=gen)
+
+    def f(x):
+        h = torch.nn.functional.gelu(x @ w1)
+        return ((h * 2 if fused else h) @ w2).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=localmap_fx.backend("inductor", lone_ops_as_aten=on))
+
+    def step():
+        compiled(x).backward()
+
+    with fresh_cache():
+        _, codes = run_and_get_code(step)
+    got = [w1.grad, w2.grad]
+    w1.grad = w2.grad = None
+    f(x).backward()
+    for a, b in zip(got, (w1.grad, w2.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return sorted(k for code in codes for k in re.findall(r"^(cpp_fused_\w+) = ", code, re.M))
+
+
+def test_a_lone_activation_and_its_gradient_run_as_aten_ops():
+    # gelu and gelu_backward have no Inductor lowering: held back from AOTAutograd, lone, no
+    # kernel (Note: [A pointwise op decomposes only where it fuses]); the expand of the loss's
+    # gradient that the backward's mm reads is materialized either way
+    assert _gelu_kernels(fused=False, on=True) == ["cpp_fused_expand_mm_0"]
+    assert "cpp_fused_gelu_gelu_backward_1" in _gelu_kernels(fused=False, on=False)
+
+
+def test_a_held_back_op_that_fuses_is_decomposed_and_fused_as_before():
+    # gelu * 2 and the backward's gelu_backward * 2 fuse: decomposed by the pass, one kernel
+    # each, named after the ops they came from
+    kernels = _gelu_kernels(fused=True, on=True)
+    assert "cpp_fused_gelu_mul_0" in kernels and "cpp_fused_gelu_backward_mul_1" in kernels, kernels

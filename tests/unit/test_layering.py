@@ -49,7 +49,8 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.lowering",
         "localmap_fx.debug.layout",
     ),
-    ("localmap_fx.passes.inline_marked_blocks", "localmap_fx.passes.hoist_tangent_reductions"),
+    ("localmap_fx.passes.inline_marked_blocks", "localmap_fx.passes.hoist_tangent_reductions",
+     "localmap_fx.passes.late_decompositions"),
     (
         "localmap_fx.debug.collectives",
         "localmap_fx.debug.region_graph",

@@ -1,0 +1,131 @@
+"""``passes/late_decompositions.py``: which ops AOTAutograd leaves whole under the
+lone-op scope (finding), their decomposition inside the graph Inductor lowers
+(rewriting), and the lone-op pass that uses both.
+
+Graphs are traced with ``make_fx`` through the table AOTAutograd gets (the
+held-back ops stay whole, as in the AOT graph), values checked against eager.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from localmap_fx._torch_compat import inductor_config, inductor_lowerings, select_decomp_table
+from localmap_fx.passes import late_decompositions as late
+from localmap_fx.passes.lone_ops import MARK, LoneOpsToAten, aot_decompositions, compiling_lone_ops_as_aten
+
+aten = torch.ops.aten
+
+
+def _aot_graph(f, *args) -> fx.GraphModule:
+    return make_fx(f, late.aot_table(), tracing_mode="fake")(*args)
+
+
+def _calls(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _targets(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in _calls(gm)]
+
+
+def test_activation_gradients_without_a_lowering_are_held_back():
+    held = late.held_back_ops()
+    for op in (aten.threshold_backward.default, aten.gelu.default, aten.gelu_backward.default,
+               aten.silu_backward.default, aten.tanh_backward.default, aten.sigmoid_backward.default):
+        assert op in held, op
+    for op in held:
+        assert op in select_decomp_table() and op not in inductor_lowerings
+        assert torch.Tag.pointwise in op.tags and not op._schema.is_mutable
+
+
+def test_ops_inductor_lowers_random_ops_and_reductions_are_not_held_back():
+    held = late.held_back_ops()
+    # relu and add have lowerings; dropout is random; softmax is no pointwise op
+    for op in (aten.relu.default, aten.add.Tensor, aten.native_dropout.default, aten._softmax.default,
+               aten.native_layer_norm.default):
+        assert op not in held, op
+
+
+def test_the_aot_table_is_inductors_without_the_held_back_ops():
+    table, full = late.aot_table(), select_decomp_table()
+    assert set(table) == set(full) - late.held_back_ops()
+    assert all(table[op] is full[op] for op in table)
+
+
+def test_decompose_replaces_a_node_by_inductors_decomposition_with_equal_values():
+    def f(g, x):
+        return aten.threshold_backward(g, x, 0.0) * 2
+
+    g, x = torch.randn(4, 8), torch.randn(4, 8)
+    gm = _aot_graph(f, g, x)
+    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    assert late.decompose(gm.graph, [tb]) == ()
+    gm.recompile()
+    gm.graph.lint()
+    assert _targets(gm) == ["aten.le.Scalar", "aten.scalar_tensor.default", "aten.where.self", "aten.mul.Tensor"]
+    # each new node carries its value and the op it came from (Inductor's kernel names)
+    new = _calls(gm)[:3]
+    assert all(isinstance(n.meta["val"], torch.Tensor) for n in new)
+    assert {n.meta["original_aten"] for n in new} == {aten.threshold_backward.default}
+    torch.testing.assert_close(gm(g, x), f(g, x), rtol=0, atol=0)
+
+
+def test_decompose_a_node_reading_one_input_twice():
+    def f(x):
+        return aten.tanh_backward(x, x) + 1
+
+    x = torch.randn(3, 5)
+    gm = _aot_graph(f, x)
+    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.tanh_backward.default)
+    late.decompose(gm.graph, [tb])
+    gm.recompile()
+    assert "aten.tanh_backward.default" not in _targets(gm)
+    torch.testing.assert_close(gm(x), f(x))
+
+
+def test_the_pass_keeps_a_lone_held_back_op_whole_and_decomposes_the_others():
+    def f(g, x, w1, w2, y):
+        lone = aten.threshold_backward(g @ w2, x, 0.0) @ w1  # between two mm: lone
+        fused = aten.gelu_backward(g @ w2, y) * 3  # feeds a mul: fuses
+        return lone, fused
+
+    args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(4, 8))
+    gm = _aot_graph(f, *args)
+    assert {"aten.threshold_backward.default", "aten.gelu_backward.default"} <= set(_targets(gm))
+    LoneOpsToAten()(gm.graph)
+    gm.recompile()
+    targets = _targets(gm)
+    assert "aten.threshold_backward.default" in targets and "aten.gelu_backward.default" not in targets
+    unmarked = [str(n.target) for n in _calls(gm) if MARK not in n.meta.get("custom", {})]
+    assert unmarked == ["aten.threshold_backward.default"]
+    for a, b in zip(gm(*args), f(*args)):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_aot_decompositions_are_the_held_back_table_only_inside_the_scope():
+    assert aot_decompositions() is None
+    with compiling_lone_ops_as_aten():
+        assert set(aot_decompositions()) == set(late.aot_table())
+    with compiling_lone_ops_as_aten(on=False):
+        assert aot_decompositions() is None
+    with inductor_config.patch(use_post_grad_passes=False), compiling_lone_ops_as_aten():
+        assert aot_decompositions() is None  # no pass would decompose them again
+
+
+def test_the_pass_uuid_covers_the_late_decompositions_file():
+    from localmap_fx._torch_compat import get_hash_for_files
+
+    assert LoneOpsToAten().uuid() == get_hash_for_files((
+        __import__("localmap_fx.passes.lone_ops", fromlist=["_"]).__file__, late.__file__))
+
+
+def test_a_node_without_example_values_is_left_whole():
+    gm = _aot_graph(lambda g, x: aten.threshold_backward(g, x, 0.0) * 2, torch.randn(4, 8), torch.randn(4, 8))
+    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    del tb.args[0].meta["val"]
+    before = _targets(gm)
+    assert late.decompose(gm.graph, [tb]) == (tb,)
+    assert _targets(gm) == before
