@@ -32,9 +32,12 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
     inner                inductor | aot_eager | eager (compiler/inner.py), per piece
                          or whole; under inductor each AOT graph first goes through
                          hoist_subgraph_views (and a lean border's guessed variant's
-                         backward through hoist_tangent_reductions); Inductor's last
-                         post-grad pass finds the ops with nothing to fuse with, which
-                         run as ATen ops, no kernel generated (passes/lone_ops.py);
+                         backward through hoist_tangent_reductions); AOTAutograd
+                         leaves the pointwise ops Inductor cannot lower whole, and
+                         Inductor's last post-grad pass finds the ops with nothing
+                         to fuse with, which run as ATen ops, no kernel generated,
+                         and decomposes the held-back others (passes/lone_ops.py,
+                         passes/late_decompositions.py);
                          a graph with DTensor inputs or
                          outputs compiled whole runs behind a DTensor border
                          unless it refuses: a frame with no output chained to

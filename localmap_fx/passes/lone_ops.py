@@ -33,14 +33,16 @@ Note: [A lone op runs as its ATen op]
     (``copy_`` into a mutated input), random ops (Inductor's random
     numbers are not ATen's) and ops outside ``aten``.  An op this module
     does not know as a matrix product, attention or collective counts as
-    fusible, so its neighbours stay in Inductor as before.  An op that
-    reaches Inductor decomposed into a group that fuses keeps its kernel
-    (the backward's ``threshold_backward`` arrives as ``le`` + ``where``):
-    three ATen calls would cost the step what one fused kernel saves.
+    fusible, so its neighbours stay in Inductor as before.  An op Inductor
+    would get decomposed into a group that fuses on its own (the backward's
+    ``threshold_backward`` as ``le`` + ``where``) is held back from
+    AOTAutograd and decomposed here only where it fuses (Note: [A pointwise
+    op decomposes only where it fuses], ``late_decompositions.py``).
 
-    The 64-layer TP stack's layer piece had three kernels and keeps one (the
-    ``threshold_backward`` group): ``docs/benchmarks.md`` (session 24) gives
-    the cold compiles and steps before and after::
+    The 64-layer TP stack's layer piece had three kernels and keeps none
+    (session 24 took the forward's two, session 25 the backward's
+    ``threshold_backward``): ``docs/benchmarks.md`` gives the cold compiles
+    and steps before and after::
 
         before (Inductor)                          after
         -----------------                          -----
