@@ -56,7 +56,7 @@ from .._torch_compat import (
 )
 from ..debug.logs import LOG_NAME
 
-__all__ = ["aot_table", "decompose", "held_back_ops", "is_held_back"]
+__all__ = ["aot_table", "decompose", "held_back_ops"]
 
 log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
@@ -74,10 +74,6 @@ def held_back_ops() -> frozenset[OpOverload]:
     """The ops of Inductor's decomposition table AOTAutograd leaves whole (Note: [A pointwise op
     decomposes only where it fuses]): functional ``aten`` pointwise ops without a lowering."""
     return _held_back(frozenset(select_decomp_table()))
-
-
-def is_held_back(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in held_back_ops()
 
 
 def aot_table() -> dict[OpOverload, Callable[..., Any]]:

@@ -167,8 +167,8 @@ class LoneOpsToAten(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         lone = find_lone_ops(graph)
         # Note: [A pointwise op decomposes only where it fuses] (late_decompositions.py)
-        late_decompositions.decompose(graph, [n for n in graph.nodes
-                                              if late_decompositions.is_held_back(n) and n not in lone])
+        held = late_decompositions.held_back_ops()
+        late_decompositions.decompose(graph, [n for n in graph.nodes if n.target in held and n not in lone])
         mark_for_inductor(graph, frozenset(lone))
         if lone and log.isEnabledFor(logging.INFO):
             log.info("graph of %d nodes: %d lone op(s) run as ATen ops, no kernel generated: %s",
