@@ -46,6 +46,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._torch_compat import (
     OpOverload,
@@ -95,8 +96,6 @@ def _traced(n: fx.Node) -> fx.GraphModule | None:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: tensors[slot[a]])
         return n.target(*args, **kwargs)  # type: ignore[operator]
 
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     fake_mode = detect_fake_mode(values)
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), enable_python_dispatcher():
         gm = make_fx(call, select_decomp_table(), tracing_mode="real")(*values)
@@ -108,7 +107,8 @@ def _traced(n: fx.Node) -> fx.GraphModule | None:
 def decompose(graph: fx.Graph, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
     """Replace each of ``nodes`` by its decomposition in Inductor's table, in place
     (Inductor's post-grad pass interface: ``Graph -> None``); returns the nodes left
-    whole (an input without an example value, or a decomposition needing a constant tensor)."""
+    whole (an input without an example value, or a decomposition needing a constant
+    tensor), which the caller leaves to run as ATen ops (Inductor lowers none of them)."""
     left: list[fx.Node] = []
     for n in nodes:
         gm = _traced(n)
@@ -127,7 +127,7 @@ def decompose(graph: fx.Graph, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
         n.replace_all_uses_with(out)
         graph.erase_node(n)
     if left:
-        log.info("left whole, run as ATen ops (no example values, or a decomposition needing a constant): %s",
+        log.info("left whole, run as ATen ops (no example value, or a decomposition needing a constant): %s",
                  ", ".join(sorted({str(n.target) for n in left})))
     return tuple(left)
 

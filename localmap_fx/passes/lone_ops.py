@@ -168,8 +168,9 @@ class LoneOpsToAten(CustomGraphPass):
         lone = find_lone_ops(graph)
         # Note: [A pointwise op decomposes only where it fuses] (late_decompositions.py)
         held = late_decompositions.held_back_ops()
-        late_decompositions.decompose(graph, [n for n in graph.nodes if n.target in held and n not in lone])
-        mark_for_inductor(graph, frozenset(lone))
+        whole = late_decompositions.decompose(graph, [n for n in graph.nodes if n.target in held and n not in lone])
+        # a held-back op left whole has no lowering: unmarked, it runs through Inductor's fallback kernel
+        mark_for_inductor(graph, frozenset((*lone, *whole)))
         if lone and log.isEnabledFor(logging.INFO):
             log.info("graph of %d nodes: %d lone op(s) run as ATen ops, no kernel generated: %s",
                      len(graph.nodes), len(lone), ", ".join(sorted({str(n.target) for n in lone})))

@@ -129,3 +129,30 @@ def test_a_node_without_example_values_is_left_whole():
     before = _targets(gm)
     assert late.decompose(gm.graph, [tb]) == (tb,)
     assert _targets(gm) == before
+
+
+def test_a_decomposed_node_gives_the_ops_aot_autograd_would_have_traced():
+    # the non-lone ops reach lowering as the same core ops as with Inductor's whole table
+    def f(g, x):
+        return aten.gelu_backward(g, x) * 3 + aten.silu_backward(g, x)
+
+    args = (torch.randn(4, 8), torch.randn(4, 8))
+    reference = make_fx(f, select_decomp_table(), tracing_mode="fake")(*args)
+    gm = _aot_graph(f, *args)
+    held = late.held_back_ops()
+    late.decompose(gm.graph, [n for n in gm.graph.nodes if n.target in held])
+    gm.recompile()
+    assert _targets(gm) == _targets(reference)
+    torch.testing.assert_close(gm(*args), reference(*args), rtol=0, atol=0)
+
+
+def test_the_pass_leaves_a_held_back_op_it_cannot_decompose_unmarked():
+    # not lone (it feeds a mul), but without an example value it cannot be traced: Inductor has no
+    # lowering for it, so it must run through the fallback kernel, unmarked
+    gm = _aot_graph(lambda g, x: aten.threshold_backward(g, x, 0.0) * 2, torch.randn(4, 8), torch.randn(4, 8))
+    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    del tb.args[0].meta["val"]
+    LoneOpsToAten()(gm.graph)
+    assert MARK not in tb.meta.get("custom", {})
+    (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
+    assert mul.meta["custom"][MARK]
