@@ -33,7 +33,7 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
                          or whole; under inductor each AOT graph first goes through
                          hoist_subgraph_views (and a lean border's guessed variant's
                          backward through hoist_tangent_reductions); AOTAutograd
-                         leaves the pointwise ops Inductor cannot lower whole, and
+                         leaves the activation gradients Inductor cannot lower whole, and
                          Inductor's last post-grad pass finds the ops with nothing
                          to fuse with, which run as ATen ops, no kernel generated,
                          and decomposes the held-back others (passes/lone_ops.py,

@@ -1,4 +1,4 @@
-"""Pointwise ops decomposed after AOTAutograd, only where they fuse.
+"""Activation gradients decomposed after AOTAutograd, only where they fuse.
 
 Used by the lone-op pass (:mod:`localmap_fx.passes.lone_ops`): inside
 ``compiling_lone_ops_as_aten`` AOTAutograd gets Inductor's decomposition
@@ -7,7 +7,7 @@ decomposes the held-back ops that are not lone (:func:`decompose`).
 
 Note: [A pointwise op decomposes only where it fuses]
     Inductor has no lowering of its own for many pointwise ops
-    (``threshold_backward``, ``gelu``, ``gelu_backward``, ``silu_backward``,
+    (``threshold_backward``, ``gelu_backward``, ``silu_backward``,
     ``tanh_backward``...): it hands AOTAutograd a table that decomposes them
     into core ops while the graph is traced, and the group it gets fuses into
     a kernel of its own even with nothing around it.  A TP block's backward
@@ -29,11 +29,17 @@ Note: [A pointwise op decomposes only where it fuses]
         g = gelu_backward(tangent, h)             mul, erf, add, ... = the table's
         s = add(g, other)   # fuses with g        decomposition of gelu_backward; add
 
-    Held back: the functional ``aten`` ops of the table tagged pointwise,
-    deterministic, with no Inductor lowering (:func:`held_back_ops`), so
-    nothing else about the traced graph changes.  A decomposition that needs
-    a constant tensor (a ``get_attr``) cannot be inlined into the graph; that
-    op stays as it is and runs as its ATen op, fused with nothing (logged).
+    Held back: the gradients of pointwise activations
+    (:data:`ACTIVATION_GRADIENTS`) that the table decomposes and Inductor does
+    not lower, nothing else: Inductor's own passes match the decomposed forms
+    of other ops (its no-op pass every ``round``, its CPU conv + ``gelu``
+    fusion, its fused attention dropout's backward).  A lone one stays whole
+    only next to a matrix product, attention or collective, and not marked by
+    the user for Inductor (``lone_ops.keeps_whole``): alone in a subgraph
+    (a flex-attention ``score_mod``) Inductor has no fallback kernel for it.
+    One whose decomposition cannot be traced on its example values (a
+    symbolic scalar input, a constant tensor) stays as it is and runs as its
+    ATen op, fused with nothing (logged).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, cast
 
 import torch
@@ -57,23 +63,35 @@ from .._torch_compat import (
 )
 from ..debug.logs import LOG_NAME
 
-__all__ = ["aot_table", "decompose", "held_back_ops"]
+__all__ = ["ACTIVATION_GRADIENTS", "aot_table", "decompose", "held_back_ops"]
 
 log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
 
+# The gradients of pointwise activations: between the two matrix products of an MLP
+# (a TP block's column and row projections) they are lone in the backward.  By name,
+# default overloads; only those Inductor decomposes and cannot lower are held back.
+# Forward activations stay out: Inductor's pattern passes match their decomposed
+# forms (CPU conv + gelu fusion), as they match dropout's backward (fused attention).
+ACTIVATION_GRADIENTS = (
+    "threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward",
+    "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
+    "hardsigmoid_backward", "hardswish_backward", "mish_backward",
+)
+
+
 @functools.cache
 def _held_back(table_ops: frozenset[OpOverload]) -> frozenset[OpOverload]:
-    return frozenset(
-        op for op in table_ops
-        if isinstance(op, OpOverload) and op.namespace == "aten" and torch.Tag.pointwise in op.tags
-        and torch.Tag.nondeterministic_seeded not in op.tags and not op._schema.is_mutable
-        and op not in inductor_lowerings)
+    ops = (getattr(torch.ops.aten, name).default for name in ACTIVATION_GRADIENTS
+           if hasattr(torch.ops.aten, name))
+    return frozenset(op for op in ops if op in table_ops and not op._schema.is_mutable
+                     and torch.Tag.nondeterministic_seeded not in op.tags and op not in inductor_lowerings)
 
 
 def held_back_ops() -> frozenset[OpOverload]:
     """The ops of Inductor's decomposition table AOTAutograd leaves whole (Note: [A pointwise op
-    decomposes only where it fuses]): functional ``aten`` pointwise ops without a lowering."""
+    decomposes only where it fuses]): the activation gradients (:data:`ACTIVATION_GRADIENTS`)
+    Inductor decomposes and does not lower."""
     return _held_back(frozenset(select_decomp_table()))
 
 
@@ -89,7 +107,7 @@ def _traced(n: fx.Node) -> fx.GraphModule | None:
     inputs = n.all_input_nodes
     values = [a.meta.get("val") for a in inputs]
     if not all(isinstance(v, torch.Tensor) for v in values):
-        return None
+        return None  # a symbolic scalar or a value-less input: nothing to trace it on
     slot = {a: i for i, a in enumerate(inputs)}
 
     def call(*tensors: torch.Tensor) -> Any:
@@ -104,14 +122,49 @@ def _traced(n: fx.Node) -> fx.GraphModule | None:
     return gm
 
 
+def _signature(n: fx.Node) -> Hashable | None:
+    """What ``n``'s decomposition depends on: its op, constant arguments and input layouts
+    (None with a symbolic size: such a node is traced on its own)."""
+    layouts = []
+    for a in n.all_input_nodes:
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return None
+        layout = (v.dtype, v.device, tuple(v.shape), tuple(v.stride()))
+        if any(isinstance(d, torch.SymInt) for d in (*layout[2], *layout[3])):
+            return None
+        layouts.append(layout)
+    position = {a: i for i, a in enumerate(n.all_input_nodes)}
+    try:
+        constants = fx.node.map_arg((n.args, n.kwargs), lambda a: ("input", position[a]))
+        key = (n.target, tuple(layouts), repr(constants))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+# meta an inlined node takes from the node it replaces: provenance, and the user's
+# annotations (fx.traceback.annotate: a compile_with_inductor mark among them)
+_CARRIED_META = ("stack_trace", "custom", "nn_module_stack", "seq_nr")
+
+
 def decompose(graph: fx.Graph, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
     """Replace each of ``nodes`` by its decomposition in Inductor's table, in place
     (Inductor's post-grad pass interface: ``Graph -> None``); returns the nodes left
-    whole (an input without an example value, or a decomposition needing a constant
-    tensor), which the caller leaves to run as ATen ops (Inductor lowers none of them)."""
+    whole (an input that is no tensor with an example value, or a decomposition needing
+    a constant tensor), which the caller leaves to run as ATen ops (Inductor lowers none
+    of them).  Nodes alike (op, constants, input layouts) are traced once."""
     left: list[fx.Node] = []
+    traced: dict[Hashable, fx.GraphModule | None] = {}
     for n in nodes:
-        gm = _traced(n)
+        key = _signature(n)
+        if key is None:
+            gm = _traced(n)
+        else:
+            if key not in traced:
+                traced[key] = _traced(n)
+            gm = traced[key]
         if gm is None:
             left.append(n)
             continue
@@ -120,14 +173,14 @@ def decompose(graph: fx.Graph, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
         with graph.inserting_before(n):
             out = cast(fx.Node, graph.graph_copy(gm.graph, env))  # _traced returns a node's graph only
         # Inductor names a kernel after the ops it was decomposed from, as AOTAutograd marks them
+        carried = {k: n.meta[k] for k in _CARRIED_META if k in n.meta}
         original = n.meta.get("original_aten", n.target)
         for m in gm.graph.nodes:
             if m.op == "call_function":  # graph_copy mapped each copied node in env
-                env[m].meta["original_aten"] = original
+                env[m].meta.update(carried, original_aten=original)
         n.replace_all_uses_with(out)
         graph.erase_node(n)
     if left:
-        log.info("left whole, run as ATen ops (no example value, or a decomposition needing a constant): %s",
-                 ", ".join(sorted({str(n.target) for n in left})))
+        log.info("left whole, run as ATen ops (an input with no tensor example value, or a decomposition "
+                 "needing a constant): %s", ", ".join(sorted({str(n.target) for n in left})))
     return tuple(left)
-

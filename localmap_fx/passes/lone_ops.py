@@ -70,7 +70,7 @@ from ..graph_utils import funcol_op, node_value
 from . import late_decompositions
 
 __all__ = ["MARK", "LoneOpsToAten", "aot_decompositions", "compiling_lone_ops_as_aten", "find_lone_ops",
-           "mark_for_inductor"]
+           "keeps_whole", "mark_for_inductor"]
 
 log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
@@ -151,6 +151,23 @@ def find_lone_ops(graph: fx.Graph) -> tuple[fx.Node, ...]:
                  and not any(_fuses(r) for r in _readers(n)))
 
 
+def _extern(n: fx.Node) -> bool:
+    """A matrix product, attention or collective: a library call Inductor fuses nothing into."""
+    return n.op == "call_function" and not _is_view(n) and not _fuses(n)
+
+
+def keeps_whole(graph: fx.Graph, lone: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """The held-back ops of ``graph`` (Note: [A pointwise op decomposes only where it
+    fuses]) that stay whole and run as ATen ops: lone, next to a matrix product,
+    attention or collective (an op whose only neighbours are a subgraph's inputs and
+    outputs, as in a flex-attention ``score_mod``, has no fallback there), and not
+    marked by the user for Inductor, which has no lowering for them."""
+    held = late_decompositions.held_back_ops()
+    return tuple(n for n in lone
+                 if n.target in held and MARK not in n.meta.get("custom", {})
+                 and (any(_extern(s) for s in _sources(n)) or any(_extern(r) for r in _readers(n))))
+
+
 def mark_for_inductor(graph: fx.Graph, lone: frozenset[fx.Node]) -> None:
     """Mark every op of ``graph`` but ``lone`` to be compiled by Inductor (``node.meta`` only).
 
@@ -167,8 +184,12 @@ class LoneOpsToAten(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         lone = find_lone_ops(graph)
         # Note: [A pointwise op decomposes only where it fuses] (late_decompositions.py)
+        kept = frozenset(keeps_whole(graph, lone))
         held = late_decompositions.held_back_ops()
-        whole = late_decompositions.decompose(graph, [n for n in graph.nodes if n.target in held and n not in lone])
+        late = [n for n in graph.nodes if n.target in held and n not in kept]
+        whole = late_decompositions.decompose(graph, late)
+        decomposed = frozenset(late) - frozenset(whole)
+        lone = tuple(n for n in lone if n not in decomposed)
         # a held-back op left whole has no lowering: unmarked, it runs through Inductor's fallback kernel
         mark_for_inductor(graph, frozenset((*lone, *whole)))
         if lone and log.isEnabledFor(logging.INFO):

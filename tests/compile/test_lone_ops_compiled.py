@@ -108,11 +108,12 @@ def _gelu_kernels(fused: bool, on: bool):
     return sorted(k for code in codes for k in re.findall(r"^(cpp_fused_\w+) = ", code, re.M))
 
 
-def test_a_lone_activation_and_its_gradient_run_as_aten_ops():
-    # gelu and gelu_backward have no Inductor lowering: held back from AOTAutograd, lone, no
-    # kernel (Note: [A pointwise op decomposes only where it fuses]); the expand of the loss's
-    # gradient that the backward's mm reads is materialized either way
-    assert _gelu_kernels(fused=False, on=True) == ["cpp_fused_expand_mm_0"]
+def test_a_lone_activation_gradient_runs_as_its_aten_op():
+    # gelu_backward has no Inductor lowering: held back from AOTAutograd, lone between the
+    # backward's two mm, no kernel (Note: [A pointwise op decomposes only where it fuses]); the
+    # forward's gelu is no gradient and keeps its decomposed kernel (Inductor's CPU patterns
+    # match that form); the expand of the loss's gradient that an mm reads is materialized
+    assert _gelu_kernels(fused=False, on=True) == ["cpp_fused_expand_mm_0", "cpp_fused_gelu_0"]
     assert "cpp_fused_gelu_gelu_backward_1" in _gelu_kernels(fused=False, on=False)
 
 
@@ -121,3 +122,38 @@ def test_a_held_back_op_that_fuses_is_decomposed_and_fused_as_before():
     # each, named after the ops they came from
     kernels = _gelu_kernels(fused=True, on=True)
     assert "cpp_fused_gelu_mul_0" in kernels and "cpp_fused_gelu_backward_mul_1" in kernels, kernels
+
+
+def test_round_with_decimals_compiles_under_the_lone_op_scope():
+    # Inductor's joint-graph no-op pass matches every aten.round overload and rejects
+    # `decimals`: an op held back from AOTAutograd would reach it (only activation
+    # gradients are held back)
+    w = torch.randn(16, 16)
+    x = torch.randn(8, 16)
+
+    def f(x):
+        return torch.round(x @ w, decimals=2) @ w
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend=localmap_fx.backend("inductor"))(x), f(x))
+
+
+def test_an_activation_the_user_marked_for_inductor_compiles_with_its_gradient():
+    # fx.traceback.annotate marks gelu; AOTAutograd copies the mark to gelu_backward, which
+    # Inductor cannot lower whole: the pass decomposes it instead of keeping it whole
+    import torch.fx.traceback as fx_traceback
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=gen), torch.randn(16, 16, generator=gen, requires_grad=True)
+
+    def f(x):
+        h = x @ w
+        with fx_traceback.annotate({"compile_with_inductor": "user"}):
+            g = torch.nn.functional.gelu(h)
+        return (g @ w).sum()
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=localmap_fx.backend("inductor"))(x).backward()
+    got, w.grad = w.grad, None
+    f(x).backward()
+    torch.testing.assert_close(got, w.grad, rtol=1e-5, atol=1e-5)

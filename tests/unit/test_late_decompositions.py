@@ -33,19 +33,20 @@ def _targets(gm: fx.GraphModule) -> list[str]:
 
 def test_activation_gradients_without_a_lowering_are_held_back():
     held = late.held_back_ops()
-    for op in (aten.threshold_backward.default, aten.gelu.default, aten.gelu_backward.default,
-               aten.silu_backward.default, aten.tanh_backward.default, aten.sigmoid_backward.default):
+    for op in (aten.threshold_backward.default, aten.gelu_backward.default, aten.silu_backward.default,
+               aten.tanh_backward.default, aten.sigmoid_backward.default):
         assert op in held, op
     for op in held:
-        assert op in select_decomp_table() and op not in inductor_lowerings
-        assert torch.Tag.pointwise in op.tags and not op._schema.is_mutable
+        assert op in select_decomp_table() and op not in inductor_lowerings and not op._schema.is_mutable
+        assert op._schema.name.split("::")[-1] in late.ACTIVATION_GRADIENTS
 
 
-def test_ops_inductor_lowers_random_ops_and_reductions_are_not_held_back():
+def test_forward_ops_dropout_and_ops_inductor_lowers_are_not_held_back():
     held = late.held_back_ops()
-    # relu and add have lowerings; dropout is random; softmax is no pointwise op
-    for op in (aten.relu.default, aten.add.Tensor, aten.native_dropout.default, aten._softmax.default,
-               aten.native_layer_norm.default):
+    # gelu: Inductor's CPU conv + gelu pattern matches its decomposition; dropout's backward:
+    # the fused-attention patterns match it; relu, add: lowered; softmax: no activation gradient
+    for op in (aten.gelu.default, aten.native_dropout_backward.default, aten.relu.default, aten.add.Tensor,
+               aten.round.decimals, aten.clamp.default, aten._softmax.default, aten.native_layer_norm.default):
         assert op not in held, op
 
 
@@ -156,3 +157,40 @@ def test_the_pass_leaves_a_held_back_op_it_cannot_decompose_unmarked():
     assert MARK not in tb.meta.get("custom", {})
     (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
     assert mul.meta["custom"][MARK]
+
+
+def _tb(gm: fx.GraphModule) -> fx.Node:
+    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    return tb
+
+
+def test_a_lone_held_back_op_stays_whole_only_next_to_a_matrix_product():
+    from localmap_fx.passes.lone_ops import find_lone_ops, keeps_whole
+
+    args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8))
+    between = _aot_graph(lambda g, x, w: aten.threshold_backward(g @ w, x, 0.0) @ w, *args)
+    assert keeps_whole(between.graph, find_lone_ops(between.graph)) == (_tb(between),)
+    # only a subgraph's inputs and output around it (a flex-attention score_mod): lowered there,
+    # where Inductor has no fallback kernel, so it is decomposed
+    alone = _aot_graph(lambda g, x, w: aten.threshold_backward(g, x, 0.0), *args)
+    assert find_lone_ops(alone.graph) == (_tb(alone),)
+    assert keeps_whole(alone.graph, find_lone_ops(alone.graph)) == ()
+    LoneOpsToAten()(alone.graph)
+    alone.recompile()
+    assert "aten.threshold_backward.default" not in _targets(alone)
+    torch.testing.assert_close(alone(*args), aten.threshold_backward(args[0], args[1], 0.0), rtol=0, atol=0)
+
+
+def test_a_held_back_op_the_user_marked_for_inductor_is_decomposed():
+    from localmap_fx.passes.lone_ops import find_lone_ops, keeps_whole
+
+    args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8))
+    gm = _aot_graph(lambda g, x, w: aten.threshold_backward(g @ w, x, 0.0) @ w, *args)
+    _tb(gm).meta["custom"] = {MARK: "user"}  # fx.traceback.annotate's form
+    assert keeps_whole(gm.graph, find_lone_ops(gm.graph)) == ()
+    LoneOpsToAten()(gm.graph)
+    gm.recompile()
+    assert "aten.threshold_backward.default" not in _targets(gm)
+    # the decomposed nodes carry the user's mark
+    (where,) = gm.graph.find_nodes(op="call_function", target=aten.where.self)
+    assert where.meta["custom"][MARK]
