@@ -135,13 +135,8 @@ def _signature(n: fx.Node) -> Hashable | None:
             return None
         layouts.append(layout)
     position = {a: i for i, a in enumerate(n.all_input_nodes)}
-    try:
-        constants = fx.node.map_arg((n.args, n.kwargs), lambda a: ("input", position[a]))
-        key = (n.target, tuple(layouts), repr(constants))
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    constants = fx.node.map_arg((n.args, n.kwargs), lambda a: ("input", position[a]))
+    return (n.target, tuple(layouts), repr(constants))
 
 
 # meta an inlined node takes from the node it replaces: provenance, and the user's

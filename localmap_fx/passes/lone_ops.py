@@ -156,8 +156,8 @@ def _extern(n: fx.Node) -> bool:
     return n.op == "call_function" and not _is_view(n) and not _fuses(n)
 
 
-def keeps_whole(graph: fx.Graph, lone: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
-    """The held-back ops of ``graph`` (Note: [A pointwise op decomposes only where it
+def keeps_whole(lone: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """The held-back ops among ``lone`` (Note: [A pointwise op decomposes only where it
     fuses]) that stay whole and run as ATen ops: lone, next to a matrix product,
     attention or collective (an op whose only neighbours are a subgraph's inputs and
     outputs, as in a flex-attention ``score_mod``, has no fallback there), and not
@@ -184,7 +184,7 @@ class LoneOpsToAten(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         lone = find_lone_ops(graph)
         # Note: [A pointwise op decomposes only where it fuses] (late_decompositions.py)
-        kept = frozenset(keeps_whole(graph, lone))
+        kept = frozenset(keeps_whole(lone))
         held = late_decompositions.held_back_ops()
         late = [n for n in graph.nodes if n.target in held and n not in kept]
         whole = late_decompositions.decompose(graph, late)
@@ -214,17 +214,20 @@ def compiling_lone_ops_as_aten(on: bool = True) -> contextlib.AbstractContextMan
         return contextlib.nullcontext()
     if not inductor_config.use_post_grad_passes:
         return contextlib.nullcontext()  # no post-grad pass would mark anything
-    current = inductor_config.post_grad_custom_post_pass
-    passes = tuple(current) if isinstance(current, (list, tuple)) else ((current,) if current is not None else ())
+    passes = _post_passes()
     if _PASS in passes:
         return contextlib.nullcontext()  # already inside the scope (a lazily compiled backward's)
     return inductor_config.patch(fallback_by_default=True, post_grad_custom_post_pass=(*passes, _PASS))
 
 
-def _in_scope() -> bool:
+def _post_passes() -> tuple:
+    """Inductor's ``post_grad_custom_post_pass`` setting as a tuple (it takes one pass or several)."""
     current = inductor_config.post_grad_custom_post_pass
-    passes = tuple(current) if isinstance(current, (list, tuple)) else (current,)
-    return bool(inductor_config.fallback_by_default) and _PASS in passes
+    return tuple(current) if isinstance(current, (list, tuple)) else ((current,) if current is not None else ())
+
+
+def _in_scope() -> bool:
+    return bool(inductor_config.fallback_by_default) and _PASS in _post_passes()
 
 
 def aot_decompositions() -> dict | None:

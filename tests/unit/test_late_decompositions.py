@@ -31,6 +31,11 @@ def _targets(gm: fx.GraphModule) -> list[str]:
     return [str(n.target) for n in _calls(gm)]
 
 
+def _tb(gm: fx.GraphModule) -> fx.Node:
+    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    return tb
+
+
 def test_activation_gradients_without_a_lowering_are_held_back():
     held = late.held_back_ops()
     for op in (aten.threshold_backward.default, aten.gelu_backward.default, aten.silu_backward.default,
@@ -62,7 +67,7 @@ def test_decompose_replaces_a_node_by_inductors_decomposition_with_equal_values(
 
     g, x = torch.randn(4, 8), torch.randn(4, 8)
     gm = _aot_graph(f, g, x)
-    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    tb = _tb(gm)
     assert late.decompose(gm.graph, [tb]) == ()
     gm.recompile()
     gm.graph.lint()
@@ -125,7 +130,7 @@ def test_the_pass_uuid_covers_the_late_decompositions_file():
 
 def test_a_node_without_example_values_is_left_whole():
     gm = _aot_graph(lambda g, x: aten.threshold_backward(g, x, 0.0) * 2, torch.randn(4, 8), torch.randn(4, 8))
-    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    tb = _tb(gm)
     del tb.args[0].meta["val"]
     before = _targets(gm)
     assert late.decompose(gm.graph, [tb]) == (tb,)
@@ -151,7 +156,7 @@ def test_the_pass_leaves_a_held_back_op_it_cannot_decompose_unmarked():
     # not lone (it feeds a mul), but without an example value it cannot be traced: Inductor has no
     # lowering for it, so it must run through the fallback kernel, unmarked
     gm = _aot_graph(lambda g, x: aten.threshold_backward(g, x, 0.0) * 2, torch.randn(4, 8), torch.randn(4, 8))
-    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
+    tb = _tb(gm)
     del tb.args[0].meta["val"]
     LoneOpsToAten()(gm.graph)
     assert MARK not in tb.meta.get("custom", {})
@@ -159,22 +164,17 @@ def test_the_pass_leaves_a_held_back_op_it_cannot_decompose_unmarked():
     assert mul.meta["custom"][MARK]
 
 
-def _tb(gm: fx.GraphModule) -> fx.Node:
-    (tb,) = gm.graph.find_nodes(op="call_function", target=aten.threshold_backward.default)
-    return tb
-
-
 def test_a_lone_held_back_op_stays_whole_only_next_to_a_matrix_product():
     from localmap_fx.passes.lone_ops import find_lone_ops, keeps_whole
 
     args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8))
     between = _aot_graph(lambda g, x, w: aten.threshold_backward(g @ w, x, 0.0) @ w, *args)
-    assert keeps_whole(between.graph, find_lone_ops(between.graph)) == (_tb(between),)
+    assert keeps_whole(find_lone_ops(between.graph)) == (_tb(between),)
     # only a subgraph's inputs and output around it (a flex-attention score_mod): lowered there,
     # where Inductor has no fallback kernel, so it is decomposed
     alone = _aot_graph(lambda g, x, w: aten.threshold_backward(g, x, 0.0), *args)
     assert find_lone_ops(alone.graph) == (_tb(alone),)
-    assert keeps_whole(alone.graph, find_lone_ops(alone.graph)) == ()
+    assert keeps_whole(find_lone_ops(alone.graph)) == ()
     LoneOpsToAten()(alone.graph)
     alone.recompile()
     assert "aten.threshold_backward.default" not in _targets(alone)
@@ -187,7 +187,7 @@ def test_a_held_back_op_the_user_marked_for_inductor_is_decomposed():
     args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8))
     gm = _aot_graph(lambda g, x, w: aten.threshold_backward(g @ w, x, 0.0) @ w, *args)
     _tb(gm).meta["custom"] = {MARK: "user"}  # fx.traceback.annotate's form
-    assert keeps_whole(gm.graph, find_lone_ops(gm.graph)) == ()
+    assert keeps_whole(find_lone_ops(gm.graph)) == ()
     LoneOpsToAten()(gm.graph)
     gm.recompile()
     assert "aten.threshold_backward.default" not in _targets(gm)
