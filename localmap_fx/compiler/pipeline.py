@@ -34,10 +34,13 @@ user's ``on_stage`` / ``on_aot_graph`` hooks), and every graph rewrite is a
                          hoist_subgraph_views (and a lean border's guessed variant's
                          backward through hoist_tangent_reductions); AOTAutograd
                          leaves the activation gradients Inductor cannot lower whole, and
-                         Inductor's last post-grad pass finds the ops with nothing
-                         to fuse with, which run as ATen ops, no kernel generated,
-                         and decomposes the held-back others (passes/lone_ops.py,
-                         passes/late_decompositions.py);
+                         Inductor's last post-grad pass turns a matrix product
+                         added through a reshape into addmm, copies a CPU
+                         attention input Inductor would copy with clone, finds
+                         the ops with nothing to fuse with, which run as ATen
+                         ops, no kernel generated, and decomposes the held-back
+                         others (passes/lone_ops.py, passes/matmul_accumulation.py,
+                         passes/attention_layouts.py, passes/late_decompositions.py);
                          a graph with DTensor inputs or
                          outputs compiled whole runs behind a DTensor border
                          unless it refuses: a frame with no output chained to

@@ -67,10 +67,10 @@ import torch.fx as fx
 from .._torch_compat import CustomGraphPass, OpOverload, get_hash_for_files, inductor_config, is_view_op
 from ..debug.logs import LOG_NAME
 from ..graph_utils import funcol_op, node_value
-from . import late_decompositions
+from . import attention_layouts, late_decompositions, matmul_accumulation
 
 __all__ = ["MARK", "LoneOpsToAten", "aot_decompositions", "compiling_lone_ops_as_aten", "find_lone_ops",
-           "keeps_whole", "mark_for_inductor"]
+           "keeps_whole", "made_by_inductor", "mark_for_inductor"]
 
 log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
@@ -118,12 +118,23 @@ def _fuses(n: fx.Node) -> bool:
     return True  # a higher-order op or anything else: assume it fuses
 
 
+def _through_views(a: fx.Node) -> fx.Node:
+    """What ``a`` is a view of (itself if it is none): the node that made its values."""
+    while _is_view(a) and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a
+
+
+def made_by_inductor(a: fx.Node) -> bool:
+    """Are ``a``'s values, seen through views, made by code Inductor generates (not a graph
+    input, not a library call's result)?"""
+    return _fuses(_through_views(a))
+
+
 def _sources(n: fx.Node) -> Iterator[fx.Node]:
     """The nodes ``n`` reads, each seen through the views it was read through."""
     for a in n.all_input_nodes:
-        while _is_view(a) and a.args and isinstance(a.args[0], fx.Node):
-            a = a.args[0]
-        yield a
+        yield _through_views(a)
 
 
 def _readers(n: fx.Node) -> Iterator[fx.Node]:
@@ -182,6 +193,15 @@ class LoneOpsToAten(CustomGraphPass):
     """Inductor's last post-grad pass: mark all but the lone ops (Note: [A lone op runs as its ATen op])."""
 
     def __call__(self, graph: fx.Graph) -> None:
+        # Note: [A sum of matrix products accumulates in the library call] (matmul_accumulation.py)
+        accumulations = matmul_accumulation.find_accumulations(graph)
+        matmul_accumulation.accumulate_into_addmm(graph, accumulations)
+        if accumulations and log.isEnabledFor(logging.INFO):
+            log.info("graph of %d nodes: %d matrix product(s) accumulate into their addend (addmm)",
+                     len(graph.nodes), len(accumulations))
+        # Note: [Attention's layout copy runs as its ATen op] (attention_layouts.py)
+        copies = attention_layouts.find_layout_copies(graph, made_by_inductor)
+        attention_layouts.copy_by_aten(graph, copies)
         lone = find_lone_ops(graph)
         # Note: [A pointwise op decomposes only where it fuses] (late_decompositions.py)
         kept = frozenset(keeps_whole(lone))
@@ -197,7 +217,8 @@ class LoneOpsToAten(CustomGraphPass):
                      len(graph.nodes), len(lone), ", ".join(sorted({str(n.target) for n in lone})))
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__, late_decompositions.__file__))
+        return get_hash_for_files((__file__, late_decompositions.__file__, matmul_accumulation.__file__,
+                                   attention_layouts.__file__))
 
 
 _PASS = LoneOpsToAten()

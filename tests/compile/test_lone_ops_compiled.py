@@ -157,3 +157,51 @@ def test_an_activation_the_user_marked_for_inductor_compiles_with_its_gradient()
     got, w.grad = w.grad, None
     f(x).backward()
     torch.testing.assert_close(got, w.grad, rtol=1e-5, atol=1e-5)
+
+
+def _attention(way: str, inner: str, opts: dict):
+    """Kernel names, log lines and values (loss, gradients) of a 2-layer attention stack's first step."""
+    import re
+
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
+
+    torch._dynamo.reset()
+    model = AttnStack(mesh_1d(), 2, d=32, n_heads=8, marked=way == "marked")  # 2 heads per rank of 4
+    x = attn_stack_input(mesh_1d(), 2, 16, 32)
+    backend = localmap_fx.backend(inner, **opts)
+    if way == "regional":
+        for block in model.blocks:
+            block.compile(backend=backend)
+        fn = model
+    else:
+        fn = torch.compile(model, backend=backend)
+
+    def step():
+        fn(x).backward()
+
+    with fresh_cache():
+        _, codes = run_and_get_code(step)
+    values = [x.grad.to_local(), *(p.grad.to_local() for p in model.parameters())]
+    return sorted(k for code in codes for k in re.findall(r"^(cpp_fused_\w+) = ", code, re.M)), values
+
+
+@pytest.mark.parametrize("way", ["regional", "marked"])
+def test_an_attention_block_generates_no_kernel_and_gives_the_aot_graphs_values(way, caplog):
+    # the backward's input gradient (residual / 2 + three products read through reshapes)
+    # accumulates in addmm, and the saved logsumexp's transpose is an ATen clone (Note: [A sum
+    # of matrix products accumulates in the library call], Note: [Attention's layout copy runs
+    # as its ATen op]); the values are compared with aot_eager's, the same graphs unlowered (a
+    # fake process group sums nothing, so eager, whose collectives differ, is no reference here)
+    with caplog.at_level(logging.INFO, logger="localmap_fx.lone_ops"):
+        kernels, got = _attention(way, "inductor", {})
+    before, _ = _attention(way, "inductor", {"lone_ops_as_aten": False})
+    _, ref = _attention(way, "aot_eager", {})
+    assert kernels == [], kernels
+    assert any("add_div" in k for k in before), before  # lone_ops_as_aten=False: Inductor fuses the sum
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    lines = [r.getMessage() for r in caplog.records if r.name == "localmap_fx.lone_ops"]
+    assert any("3 matrix product(s) accumulate into their addend (addmm)" in line for line in lines), lines
+    assert any("aten.clone.default" in line and "aten.div.Tensor" in line for line in lines), lines

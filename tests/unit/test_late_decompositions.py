@@ -121,11 +121,12 @@ def test_the_aot_decompositions_are_the_held_back_table_only_inside_the_scope():
         assert aot_decompositions() is None  # no pass would decompose them again
 
 
-def test_the_pass_uuid_covers_the_late_decompositions_file():
+def test_the_pass_uuid_covers_every_file_the_pass_runs():
     from localmap_fx._torch_compat import get_hash_for_files
+    from localmap_fx.passes import attention_layouts, lone_ops, matmul_accumulation
 
     assert LoneOpsToAten().uuid() == get_hash_for_files((
-        __import__("localmap_fx.passes.lone_ops", fromlist=["_"]).__file__, late.__file__))
+        lone_ops.__file__, late.__file__, matmul_accumulation.__file__, attention_layouts.__file__))
 
 
 def test_a_node_without_example_values_is_left_whole():

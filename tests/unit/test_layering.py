@@ -50,7 +50,8 @@ LAYERS: list[tuple[str, ...]] = [
         "localmap_fx.debug.layout",
     ),
     ("localmap_fx.passes.inline_marked_blocks", "localmap_fx.passes.hoist_tangent_reductions",
-     "localmap_fx.passes.late_decompositions"),
+     "localmap_fx.passes.late_decompositions", "localmap_fx.passes.matmul_accumulation",
+     "localmap_fx.passes.attention_layouts"),
     (
         "localmap_fx.debug.collectives",
         "localmap_fx.debug.region_graph",
