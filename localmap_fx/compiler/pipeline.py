@@ -65,11 +65,13 @@ Note: [Outline or inline, decided once]
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from ..debug.logs import LOG_NAME
 from ..lowering import lower_boundaries as _lower_boundaries
 from ..passes import Pass, PassResult, run_passes
 from ..passes.fuse_boundaries import fuse_boundaries
@@ -87,6 +89,8 @@ if TYPE_CHECKING:
     from ..layer_sharing.plan import LayerPlan
 
 __all__ = ["STAGES", "Stage", "FrameState", "compile_graph"]
+
+log = logging.getLogger(f"{LOG_NAME}.lone_ops")
 
 
 @dataclasses.dataclass
@@ -196,9 +200,15 @@ def _whole_gradients(f: FrameState) -> None:
 def _inner(f: FrameState) -> None:
     if not f.split:
         f.observer.lowered(f.gm)
+        compile_one = f.compile_one
         if f.decision is not None:
             f.observer.layers(f.plan, f.decision, None)
-        f.compiled = f.compile_one(f.gm, f.example_inputs).fn
+            if f.plan is not None and f.plan.shared and f.opts.lone_ops_as_aten and f.opts.inner == "inductor":
+                # Note: [Repeated layers in one graph keep their kernels]
+                log.info("one graph of %d repeated layers: ops with nothing to fuse with keep their kernels",
+                         len(f.plan.spans))
+                compile_one = inner_compiler(dataclasses.replace(f.opts, lone_ops_as_aten=False), f.observer)
+        f.compiled = compile_one(f.gm, f.example_inputs).fn
         return
     from ..layer_sharing.compile import compile_pieces
 

@@ -39,6 +39,22 @@ Note: [A lone op runs as its ATen op]
     AOTAutograd and decomposed here only where it fuses (Note: [A pointwise
     op decomposes only where it fuses], ``late_decompositions.py``).
 
+    Note: [Repeated layers in one graph keep their kernels]
+        An ATen call costs a few microseconds more than a generated kernel's
+        call (``OpOverload.__call__``, a new output, Inductor's metadata
+        assert), on every call; a kernel costs its C++ file once, and one
+        file serves every call of the same code.  A graph compiled once and
+        called per block (a regional block, a shared or marked layer piece)
+        saves its files for a few calls per block.  One graph of N repeated
+        layers (``share_layers="auto"`` keeping a frame whole: the default
+        at small layer sizes) saves the files of one layer and pays N layers'
+        calls per step, and its step is the one that must keep up with
+        upstream whole-model compilation: the attention stack's whole-model
+        step measured 1.05-1.06 of upstream's with lone ops as ATen ops, 1.00
+        without (session 26, fake group, 16 layers).  So the pipeline
+        compiles such a graph with ``lone_ops_as_aten`` off
+        (``compiler/pipeline.py``, stage ``inner``).
+
     The 64-layer TP stack's layer piece had three kernels and keeps none
     (session 24 took the forward's two, session 25 the backward's
     ``threshold_backward``): ``docs/benchmarks.md`` gives the cold compiles

@@ -205,3 +205,17 @@ def test_an_attention_block_generates_no_kernel_and_gives_the_aot_graphs_values(
     lines = [r.getMessage() for r in caplog.records if r.name == "localmap_fx.lone_ops"]
     assert any("3 matrix product(s) accumulate into their addend (addmm)" in line for line in lines), lines
     assert any("aten.clone.default" in line and "aten.div.Tensor" in line for line in lines), lines
+
+
+def test_one_graph_of_repeated_layers_keeps_its_kernels(caplog):
+    # Note: [Repeated layers in one graph keep their kernels]: the default keeps a small
+    # 3-layer stack one graph, whose lone ops would be called once per layer for the C++
+    # files of one; its kernels are those lone_ops_as_aten=False gives, and it says so
+    with caplog.at_level(logging.INFO, logger="localmap_fx.lone_ops"):
+        got, kernels, model, x = _step({}, marked=False)
+    _, kernels_off, _, _ = _step({"lone_ops_as_aten": False}, marked=False)
+    assert kernels == kernels_off > 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "localmap_fx.lone_ops"]
+    assert lines == ["one graph of 3 repeated layers: ops with nothing to fuse with keep their kernels"], lines
+    for a, r in zip(got, _eager(model, x)):
+        torch.testing.assert_close(a.to_local(), r.to_local(), rtol=1e-5, atol=1e-5)
