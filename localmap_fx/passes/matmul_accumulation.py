@@ -34,7 +34,7 @@ Note: [A sum of matrix products accumulates in the library call]
     the call changes: ``aten.add.Tensor`` without ``alpha``, no
     broadcasting or type promotion, the product read by the ``add`` alone
     (through reshapes, views of a contiguous product), the addend and the
-    sum contiguous, on CPU (Inductor's GPU rule keeps the add for a
+    sum contiguous, static shapes, on CPU (Inductor's GPU rule keeps the add for a
     pointwise epilogue, and nothing here is measured on GPU).
 """
 
@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import detect_fake_mode
-from ..graph_utils import node_value
+from ..graph_utils import is_symbolic, node_value
 
 __all__ = ["Accumulation", "accumulate_into_addmm", "find_accumulations"]
 
@@ -87,7 +87,9 @@ def _product(arg: object) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
 
 
 def _plain(value: object, like: torch.Tensor) -> bool:
-    return (isinstance(value, torch.Tensor) and value.shape == like.shape and value.dtype == like.dtype
+    # symbolic sizes are left alone: comparing them here would guard after Dynamo's guards
+    return (isinstance(value, torch.Tensor) and not is_symbolic(value) and not is_symbolic(like)
+            and value.shape == like.shape and value.dtype == like.dtype
             and value.device == like.device and value.device.type == "cpu" and value.is_contiguous())
 
 

@@ -219,3 +219,17 @@ def test_one_graph_of_repeated_layers_keeps_its_kernels(caplog):
     assert lines == ["one graph of 3 repeated layers: ops with nothing to fuse with keep their kernels"], lines
     for a, r in zip(got, _eager(model, x)):
         torch.testing.assert_close(a.to_local(), r.to_local(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_sum_with_dynamic_shapes_equals_eager():
+    # Note: [A sum of matrix products accumulates in the library call]: symbolic sizes are left
+    w1, w2 = torch.randn(16, 16), torch.randn(16, 16)
+
+    def f(x):
+        return x + (x.view(-1, 16) @ w1).view(x.shape) + (x.view(-1, 16) @ w2).view(x.shape)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=localmap_fx.backend("inductor"), dynamic=True)
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 4, 16)
+        torch.testing.assert_close(compiled(x), f(x), rtol=1e-5, atol=1e-5)

@@ -110,3 +110,12 @@ def test_a_graph_off_the_cpu_is_left():
 
     gm = make_fx(f)(*(torch.empty(s, device="meta") for s in ((4, 6), (4, 5), (5, 6))))
     assert find_accumulations(gm.graph) == ()
+
+
+def test_symbolic_sizes_are_left():
+    def f(c, a, b):
+        return c + (a @ b).view(c.shape)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(2, 4, 6), torch.randn(8, 5), torch.randn(5, 6))
+    assert find_accumulations(gm.graph) == ()
+
