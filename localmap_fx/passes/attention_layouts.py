@@ -49,23 +49,26 @@ _CPU_ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,
 
 @dataclasses.dataclass(frozen=True)
 class LayoutCopy:
-    """Argument ``index`` of the attention call ``attention`` is copied to a contiguous layout."""
+    """Argument ``key`` of the attention call ``attention`` (a position, or a keyword such as
+    ``attn_mask``) is copied to a contiguous layout."""
 
     attention: fx.Node
-    index: int
+    key: int | str
+
+    def arg(self) -> object:
+        return self.attention.args[self.key] if isinstance(self.key, int) else self.attention.kwargs[self.key]
 
     def __str__(self) -> str:
-        return f"{self.attention.name}: argument {self.index} ({self.attention.args[self.index]}) made contiguous"
+        return f"{self.attention.name}: argument {self.key} ({self.arg()}) made contiguous"
 
 
 def _innermost_last(value: torch.Tensor) -> bool:
     """Is the last dimension first in ``value``'s stride order (Inductor's ``get_stride_order``:
-    strides sorted stably, so a tie goes to the earlier dimension)?  Symbolic strides: yes
-    (left to Inductor)."""
+    a tie goes to the later dimension)?  Symbolic strides: yes (left to Inductor)."""
     strides = value.stride()
     if not strides or not all(isinstance(s, int) for s in strides):
         return True
-    return all(strides[-1] < s for s in strides[:-1])
+    return all(strides[-1] <= s for s in strides[:-1])
 
 
 def find_layout_copies(graph: fx.Graph, made_by_inductor: Callable[[fx.Node], bool]) -> tuple[LayoutCopy, ...]:
@@ -77,11 +80,11 @@ def find_layout_copies(graph: fx.Graph, made_by_inductor: Callable[[fx.Node], bo
     for n in graph.nodes:
         if n.op != "call_function" or n.target not in _CPU_ATTENTION:
             continue
-        for index, arg in enumerate(n.args):
+        for key, arg in (*enumerate(n.args), *n.kwargs.items()):
             value = node_value(arg) if isinstance(arg, fx.Node) else None
             if (isinstance(arg, fx.Node) and isinstance(value, torch.Tensor) and value.device.type == "cpu"
                     and not _innermost_last(value) and not value.is_contiguous() and not made_by_inductor(arg)):
-                found.append(LayoutCopy(n, index))
+                found.append(LayoutCopy(n, key))
     return tuple(found)
 
 
@@ -89,7 +92,7 @@ def copy_by_aten(graph: fx.Graph, copies: tuple[LayoutCopy, ...]) -> None:
     """Give each of ``copies`` a ``clone(arg, memory_format=torch.contiguous_format)`` of its own
     (in place: Inductor's interface for a post-grad pass)."""
     for copy in copies:
-        arg = copy.attention.args[copy.index]
+        arg = copy.arg()
         if not isinstance(arg, fx.Node):
             raise TypeError(f"copy_by_aten: {copy} is not a node")
         value = node_value(arg)
@@ -100,6 +103,9 @@ def copy_by_aten(graph: fx.Graph, copies: tuple[LayoutCopy, ...]) -> None:
             clone.meta["val"] = aten.clone.default(value, memory_format=torch.contiguous_format)
         clone.meta.update({k: copy.attention.meta[k] for k in ("stack_trace", "nn_module_stack", "seq_nr")
                            if k in copy.attention.meta})
-        args = list(copy.attention.args)
-        args[copy.index] = clone
-        copy.attention.args = tuple(args)
+        if isinstance(copy.key, int):
+            args = list(copy.attention.args)
+            args[copy.key] = clone
+            copy.attention.args = tuple(args)
+        else:
+            copy.attention.kwargs = {**copy.attention.kwargs, copy.key: clone}

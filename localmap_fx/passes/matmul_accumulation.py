@@ -34,7 +34,8 @@ Note: [A sum of matrix products accumulates in the library call]
     the call changes: ``aten.add.Tensor`` without ``alpha``, no
     broadcasting or type promotion, the product read by the ``add`` alone
     (through reshapes, views of a contiguous product), the addend and the
-    sum contiguous, static shapes, on CPU (Inductor's GPU rule keeps the add for a
+    sum contiguous, static shapes, float32 or float64 (a bf16 chain would
+    round each link's sum, the fused kernel rounds once), on CPU (Inductor's GPU rule keeps the add for a
     pointwise epilogue, and nothing here is measured on GPU).
 """
 
@@ -55,6 +56,9 @@ aten = torch.ops.aten
 # the views a product is read through: Inductor's post-grad graphs say reshape
 # (its view_to_reshape pass); of a contiguous product each is a view
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# dtypes whose partial sums the chain keeps at full precision, as the fused kernel did
+# (a bf16 or fp16 chain rounds each link's sum, the kernel once, in fp32)
+_EXACT = (torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +106,7 @@ def find_accumulations(graph: fx.Graph) -> tuple[Accumulation, ...]:
         if n.op != "call_function" or n.target is not aten.add.Tensor or n.kwargs or len(n.args) != 2:
             continue
         out = node_value(n)
-        if not isinstance(out, torch.Tensor) or not _plain(out, out):
+        if not isinstance(out, torch.Tensor) or not _plain(out, out) or out.dtype not in _EXACT:
             continue
         for side in (1, 0):
             product = _product(n.args[side])
@@ -110,7 +114,10 @@ def find_accumulations(graph: fx.Graph) -> tuple[Accumulation, ...]:
             if (product is None or product[0] in taken or not isinstance(other, fx.Node)
                     or other is product[0] or other in product[1]):
                 continue
-            if not _plain(node_value(other), out) or not _plain(node_value(product[0]).view(out.shape), out):
+            mm_value = node_value(product[0])
+            if (not _plain(node_value(other), out) or not _plain(mm_value, mm_value)
+                    or mm_value.numel() != out.numel()  # the add broadcasts the product
+                    or not _plain(mm_value.view(out.shape), out)):
                 continue
             taken.add(product[0])
             found.append(Accumulation(n, product[0], side, product[1]))

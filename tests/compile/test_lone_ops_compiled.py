@@ -233,3 +233,15 @@ def test_a_compiled_sum_with_dynamic_shapes_equals_eager():
     for batch in (2, 3, 5):
         x = torch.randn(batch, 4, 16)
         torch.testing.assert_close(compiled(x), f(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_product_the_add_broadcasts_compiles_and_equals_eager():
+    # a (16, 32) product added to a (2, 16, 32) tensor is no accumulation: it once crashed the
+    # compile (a view of the product to the sum's shape)
+    x, a, w = torch.randn(2, 16, 32), torch.randn(16, 8), torch.randn(8, 32)
+
+    def f(x, a, w):
+        return x * 2 + a @ w
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend=localmap_fx.backend("inductor"))(x, a, w), f(x, a, w))

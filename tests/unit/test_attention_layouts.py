@@ -30,10 +30,13 @@ def _trace(f, args):
 
 
 def test_the_stride_order_test_is_inductors():
-    # strides sorted stably: the last dimension must come first, a tie goes to the earlier one
+    # the last dimension must come first in the stride order; a tie goes to the later one
+    # (get_stride_order([16, 0, 1, 0]) == [3, 1, 2, 0])
     assert _innermost_last(torch.empty(2, 2, 16))
     assert not _innermost_last(torch.empty(2, 16, 2).transpose(1, 2))
-    assert not _innermost_last(torch.empty(4, 1))  # strides (1, 1): dimension 0 sorts first
+    assert _innermost_last(torch.empty(4, 1))  # strides (1, 1)
+    assert _innermost_last(torch.empty(2, 1, 16, 1).expand(2, 3, 16, 4))  # strides (16, 0, 1, 0)
+    assert not _innermost_last(torch.empty(4, 1, 3).expand(4, 5, 3)[:, :, :1])  # strides (3, 0, 1)
 
 
 def test_a_transposed_saved_logsumexp_is_found_and_a_contiguous_one_is_not():
@@ -41,7 +44,7 @@ def test_a_transposed_saved_logsumexp_is_found_and_a_contiguous_one_is_not():
     saved = _inputs(lambda lse: lse.transpose(1, 2).contiguous().transpose(1, 2))
     gm = _trace(_backward, saved)
     found = find_layout_copies(gm.graph, made_by_inductor)
-    assert [(c.attention.target, c.index) for c in found] == [
+    assert [(c.attention.target, c.key) for c in found] == [
         (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 5)]
     assert find_layout_copies(_trace(_backward, _inputs(lambda lse: lse.contiguous())).graph, made_by_inductor) == ()
 
@@ -68,4 +71,24 @@ def test_the_copy_is_a_lone_clone_and_the_values_are_the_same():
     assert clones[0].meta["val"].is_contiguous()
     assert find_lone_ops(gm.graph) == (clones[0],)
     for got, want in zip(gm(*args), _backward(*args)):
+        assert torch.equal(got, want)
+
+
+def test_a_transposed_mask_given_by_keyword_is_copied_too():
+    # Inductor constrains the keyword arguments as well (sdpa_constraint): a mask whose last
+    # dimension is not innermost got a copy kernel of its own
+    def f(q, k, v, mask):
+        return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, attn_mask=mask)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    mask = torch.randn(S, S, generator=g).t()
+    gm = _trace(f, (q, k, v, mask))
+    found = find_layout_copies(gm.graph, made_by_inductor)
+    assert [c.key for c in found] == ["attn_mask"]
+    copy_by_aten(gm.graph, found)
+    gm.recompile()
+    (call,) = [n for n in gm.graph.nodes if n.target == aten._scaled_dot_product_flash_attention_for_cpu.default]
+    assert call.kwargs["attn_mask"].target == aten.clone.default
+    for got, want in zip(gm(q, k, v, mask), f(q, k, v, mask)):
         assert torch.equal(got, want)

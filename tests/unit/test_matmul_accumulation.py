@@ -119,3 +119,18 @@ def test_symbolic_sizes_are_left():
     gm = make_fx(f, tracing_mode="symbolic")(torch.randn(2, 4, 6), torch.randn(8, 5), torch.randn(5, 6))
     assert find_accumulations(gm.graph) == ()
 
+
+
+def test_a_broadcast_product_is_left():
+    # the add broadcasts a (16, 32) product over a (2, 16, 32) addend: no addmm computes that
+    gm = _trace(lambda x, a, w: x * 2 + a @ w, torch.randn(2, 16, 32), torch.randn(16, 8), torch.randn(8, 32))
+    assert find_accumulations(gm.graph) == ()
+    gm = _trace(lambda x, a, w: x + (a @ w).view(1, 16, 32), torch.randn(2, 16, 32), torch.randn(16, 8),
+                torch.randn(8, 32))
+    assert find_accumulations(gm.graph) == ()
+
+
+def test_a_low_precision_sum_is_left():
+    # a bf16 chain would round each link's sum; Inductor's fused kernel sums in fp32 and rounds once
+    args = [t.to(torch.bfloat16) for t in _inputs()]
+    assert find_accumulations(_trace(_gradient_sum, *args).graph) == ()
