@@ -43,6 +43,8 @@ __all__ = [
     "node_value",
     "binds_unbacked_symbols",
     "custom_meta",
+    "CARRIED_META",
+    "carried_meta",
     "FUNCOL_NAMESPACES",
     "NON_COLLECTIVE_OPS",
     "funcol_op",
@@ -126,6 +128,17 @@ def custom_meta(node: fx.Node) -> dict:
 FUNCOL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 # ops of those namespaces that move no data: they pass their input through
 NON_COLLECTIVE_OPS = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+# meta a node made in another's place takes from it: its provenance, and the user's
+# annotations (fx.traceback.annotate: a compile_with_inductor mark among them)
+CARRIED_META = ("stack_trace", "custom", "nn_module_stack", "seq_nr")
+
+
+def carried_meta(node: fx.Node, annotations: bool = True) -> dict:
+    """The meta of ``node`` that a node made in its place carries (:data:`CARRIED_META`);
+    ``annotations=False`` leaves out the user's (``custom``)."""
+    return {k: node.meta[k] for k in CARRIED_META if k in node.meta and (annotations or k != "custom")}
 
 
 def funcol_op(target: Any) -> tuple[str, str] | None:

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import detect_fake_mode
-from ..graph_utils import node_value
+from ..graph_utils import carried_meta, node_value
 
 __all__ = ["LayoutCopy", "copy_by_aten", "find_layout_copies"]
 
@@ -101,8 +101,8 @@ def copy_by_aten(graph: fx.Graph, copies: tuple[LayoutCopy, ...]) -> None:
             clone = graph.call_function(aten.clone.default, (arg,), {"memory_format": torch.contiguous_format})
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             clone.meta["val"] = aten.clone.default(value, memory_format=torch.contiguous_format)
-        clone.meta.update({k: copy.attention.meta[k] for k in ("stack_trace", "nn_module_stack", "seq_nr")
-                           if k in copy.attention.meta})
+        # not the user's annotations: a compile_with_inductor mark would make the copy a kernel again
+        clone.meta.update(carried_meta(copy.attention, annotations=False))
         if isinstance(copy.key, int):
             args = list(copy.attention.args)
             args[copy.key] = clone

@@ -62,6 +62,7 @@ from .._torch_compat import (
     select_decomp_table,
 )
 from ..debug.logs import LOG_NAME
+from ..graph_utils import carried_meta
 
 __all__ = ["ACTIVATION_GRADIENTS", "aot_table", "decompose", "held_back_ops"]
 
@@ -139,10 +140,6 @@ def _signature(n: fx.Node) -> Hashable | None:
     return (n.target, tuple(layouts), repr(constants))
 
 
-# meta an inlined node takes from the node it replaces: provenance, and the user's
-# annotations (fx.traceback.annotate: a compile_with_inductor mark among them)
-_CARRIED_META = ("stack_trace", "custom", "nn_module_stack", "seq_nr")
-
 
 def decompose(graph: fx.Graph, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
     """Replace each of ``nodes`` by its decomposition in Inductor's table, in place
@@ -168,7 +165,7 @@ def decompose(graph: fx.Graph, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
         with graph.inserting_before(n):
             out = cast(fx.Node, graph.graph_copy(gm.graph, env))  # _traced returns a node's graph only
         # Inductor names a kernel after the ops it was decomposed from, as AOTAutograd marks them
-        carried = {k: n.meta[k] for k in _CARRIED_META if k in n.meta}
+        carried = carried_meta(n)
         original = n.meta.get("original_aten", n.target)
         for m in gm.graph.nodes:
             if m.op == "call_function":  # graph_copy mapped each copied node in env

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from .._torch_compat import detect_fake_mode
-from ..graph_utils import is_symbolic, node_value
+from ..graph_utils import carried_meta, is_symbolic, node_value
 
 __all__ = ["Accumulation", "accumulate_into_addmm", "find_accumulations"]
 
@@ -129,7 +129,7 @@ def _call(graph: fx.Graph, op, args: tuple, like: fx.Node) -> fx.Node:
     """A new node ``op(*args)`` with its fake value and ``like``'s provenance."""
     node = graph.call_function(op, args)
     node.meta["val"] = op(*(node_value(a) if isinstance(a, fx.Node) else a for a in args))
-    node.meta.update({k: like.meta[k] for k in ("stack_trace", "nn_module_stack", "seq_nr", "custom") if k in like.meta})
+    node.meta.update(carried_meta(like))
     return node
 
 
