@@ -160,30 +160,20 @@ def test_an_activation_the_user_marked_for_inductor_compiles_with_its_gradient()
 
 
 def _attention(way: str, inner: str, opts: dict):
-    """Kernel names, log lines and values (loss, gradients) of a 2-layer attention stack's first step."""
+    """Kernel names and values (gradients) of a 2-layer attention stack's first step."""
     import re
 
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
-    from localmap_fx.testing.attention_stack import AttnStack, attn_stack_input
+    from benchmarks.depth_bench import build
 
     torch._dynamo.reset()
-    model = AttnStack(mesh_1d(), 2, d=32, n_heads=8, marked=way == "marked")  # 2 heads per rank of 4
-    x = attn_stack_input(mesh_1d(), 2, 16, 32)
-    backend = localmap_fx.backend(inner, **opts)
-    if way == "regional":
-        for block in model.blocks:
-            block.compile(backend=backend)
-        fn = model
-    else:
-        fn = torch.compile(model, backend=backend)
-
-    def step():
-        fn(x).backward()
-
+    # 2 heads per rank of 4
+    step, _, leaves = build(mesh_1d(), "attention", f"ours_{way}", 2, backend=localmap_fx.backend(inner, **opts),
+                            batch=2, seq=16, d=32, n_heads=8)
     with fresh_cache():
         _, codes = run_and_get_code(step)
-    values = [x.grad.to_local(), *(p.grad.to_local() for p in model.parameters())]
+    values = [t.grad.to_local() for t in leaves]
     return sorted(k for code in codes for k in re.findall(r"^(cpp_fused_\w+) = ", code, re.M)), values
 
 
